@@ -1,0 +1,107 @@
+"""The PCP context: one object per step, passed to every PCP layer.
+
+It holds the host plan, its device index tensors and the PCP process group (vLLM's GroupCoordinator,
+the object ``vllm.distributed.get_pcp_group()`` returns). All PCP communication goes through
+``all_gather`` here, so the bytes a step sends can be counted in one place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..plan import PCPPlan, PlanTensors
+
+
+class PCPContext:
+    def __init__(self, plan: PCPPlan, group, device: torch.device | str):
+        if group.world_size != plan.world_size or group.rank_in_group != plan.rank:
+            raise ValueError(
+                f"plan is for rank {plan.rank}/{plan.world_size}, group is "
+                f"{group.rank_in_group}/{group.world_size}"
+            )
+        self.plan = plan
+        self.group = group
+        self.device = torch.device(device)
+        self.t: PlanTensors = plan.device_tensors(self.device)
+        self.bytes_sent = 0  # per rank, for benchmarks and tests
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.plan.rank
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along dim 0, rank-major."""
+        x = x.contiguous()
+        self.bytes_sent += x.numel() * x.element_size()
+        return self.group.all_gather(x, dim=0)
+
+    # ---------------------------------------------------------------- cached
+    def _cached(self, key, build):
+        extra = self.t.extra
+        if key not in extra:
+            extra[key] = build()
+        return extra[key]
+
+    def to_device(self, x: np.ndarray, dtype=torch.int64) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype).to(
+            self.device, non_blocking=True
+        )
+
+    def conv_index(self, width: int):
+        """(tail_rows [S, w-1], halo [S, w-1], final [R, w-1]) for a short conv of this width."""
+
+        def build():
+            halo, final = self.plan.conv_sources(width)
+            tails = self.plan.tail_rows(width)
+            return self.to_device(tails), self.to_device(halo), self.to_device(final)
+
+        return self._cached(("conv", width), build)
+
+    def gdn_index(self):
+        """Per-step GDN indices: which segments start from the cache, split slots, the chain."""
+
+        def build():
+            plan = self.plan
+            segs = plan.local_segments
+            starts_from_cache = np.array(
+                [s.block <= 0 and plan.num_computed[s.req] > 0 for s in segs], dtype=bool
+            )
+            slots = plan.split_segment_slots[plan.rank]
+            replicated = [j for j, s in enumerate(segs) if s.block < 0]
+            k_of_req = {int(i): k for k, i in enumerate(plan.split_reqs)}
+            # local split segments that need the correction: (slot j, chain row b*Rs + k)
+            corrections = [
+                (j, s.block * len(plan.split_reqs) + k_of_req[s.req])
+                for j, s in enumerate(segs)
+                if s.block >= 1
+            ]
+            return {
+                "starts_from_cache": self.to_device(starts_from_cache, torch.bool),
+                "split_slots": self.to_device(np.array(slots, dtype=np.int64)),
+                "replicated_slots": self.to_device(np.array(replicated, dtype=np.int64)),
+                "replicated_reqs": self.to_device(
+                    np.array([segs[j].req for j in replicated], dtype=np.int64)
+                ),
+                "split_reqs": self.to_device(plan.split_reqs.astype(np.int64)),
+                "chain": self.to_device(plan.summary_chain.reshape(-1)),
+                "corrections": corrections,
+            }
+
+        return self._cached("gdn", build)
+
+
+FORWARD_CONTEXT_KEY = "qwen36_pcp"
+
+
+def current_pcp_context() -> PCPContext | None:
+    """The PCP context of the running step (set by the runner hook), or None on unsplit steps."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return get_forward_context().additional_kwargs.get(FORWARD_CONTEXT_KEY)

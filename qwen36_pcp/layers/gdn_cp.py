@@ -1,0 +1,302 @@
+"""Gated DeltaNet context parallel: each rank scans only its own segments.
+
+State layout is vLLM's (V-first): a value head's state X is [V, K],
+X_t = a_t X_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T,  o_t = X_t (scale q_t).
+A segment is affine in its initial state: X_end = X_0 P + L and o_t = o_t^loc + X_0 c_t with
+P = prod_t a_t (I - b_t k_t k_t^T) and c_t = P_{<=t} scale q_t. One chunk-kernel call per rank gets all
+of it: append K zero columns to v and K identity rows to the initial state ([X_0 | I] stacked as
+[V+K, K]); the extra rows of the final state are P, the extra output columns are c_t. The [V+K, K] fp32
+summaries of the split segments are all-gathered once per layer, folded in order on every rank
+(X_in(b) = X_end(b-1), X_end(b) = X_in(b) P_b + L_b, block 0 started from the cached state), and each
+output gets its correction with one small GEMM. Every rank ends with each request's final recurrent
+state and conv state, so decode runs replicated.
+
+Short conv halo: a segment's first width-1 inputs come from the previous segment (another rank's tail,
+all-gathered), from the cached conv state (continuation), or are zeros (true sequence start).
+
+``island`` mode gathers the whole batch instead and runs the plain GDN core (reference and fallback).
+Kernels are passed in: ``VllmGDNKernels`` (vLLM's Triton kernels, GPU) or ``TorchGDNKernels`` (fp32
+reference, CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from .context import PCPContext
+
+
+@dataclass
+class GDNWeights:
+    """What the GDN core needs from its layer (per TP shard)."""
+
+    conv_weight: torch.Tensor  # [D, W]
+    conv_bias: torch.Tensor | None
+    A_log: torch.Tensor  # [HV]
+    dt_bias: torch.Tensor  # [HV]
+    num_k_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    activation: str = "silu"
+
+
+# ------------------------------------------------------------------------------------- kernels
+class TorchGDNKernels:
+    """fp32 torch reference kernels (CPU), same contracts as ``VllmGDNKernels``."""
+
+    @staticmethod
+    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu"):
+        """x [T, D]; init_states [S, D, W-1] (the W-1 inputs before each segment) -> [T, D]."""
+        out = torch.empty_like(x)
+        bounds = cu_cpu.tolist()
+        w = weight.float()
+        for s in range(len(bounds) - 1):
+            a, b = bounds[s], bounds[s + 1]
+            if b == a:
+                continue
+            xx = torch.cat([init_states[s].float().transpose(0, 1), x[a:b].float()], 0)  # [W-1+L, D]
+            y = F.conv1d(xx.transpose(0, 1)[None], w[:, None, :], groups=w.shape[0])[0]  # [D, L]
+            y = y.transpose(0, 1)
+            if bias is not None:
+                y = y + bias.float()
+            if activation in ("silu", "swish"):
+                y = F.silu(y)
+            out[a:b] = y.to(x.dtype)
+        return out
+
+    @staticmethod
+    def prep(y, a, b, w: GDNWeights):
+        """Split q/k/v, L2-normalise q/k, gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+        T = y.shape[0]
+        hk, dk, dv = w.num_k_heads, w.head_k_dim, w.head_v_dim
+        q, k, v = torch.split(y, [hk * dk, hk * dk, y.shape[1] - 2 * hk * dk], dim=-1)
+        q = F.normalize(q.float().view(T, hk, dk), dim=-1, eps=1e-6).to(y.dtype)
+        k = F.normalize(k.float().view(T, hk, dk), dim=-1, eps=1e-6).to(y.dtype)
+        v = v.reshape(T, -1, dv)
+        g = -torch.exp(w.A_log.float()) * F.softplus(a.float() + w.dt_bias.float())
+        beta = torch.sigmoid(b.float())
+        return q, k, v, g, beta
+
+    @staticmethod
+    def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None):
+        """Sequential scan. q,k [T,H,K]; v [T,HV,V]; g,beta [T,HV]; init [S,HV,V,K] -> (o, final fp32)."""
+        T, H, K = q.shape
+        HV = v.shape[1]
+        rep = HV // H
+        scale = K**-0.5 if scale is None else scale
+        qf = q.float().repeat_interleave(rep, 1)
+        kf = k.float().repeat_interleave(rep, 1)
+        vf = v.float()
+        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        final = torch.empty(init.shape, dtype=torch.float32, device=v.device)
+        bounds = cu_cpu.tolist()
+        for s in range(len(bounds) - 1):
+            X = init[s].float().clone()  # [HV, V, K]
+            for t in range(bounds[s], bounds[s + 1]):
+                kt = kf[t]  # [HV, K]
+                X = g[t].exp()[:, None, None] * (
+                    X - beta[t][:, None, None] * (X @ kt[:, :, None]) * kt[:, None, :]
+                )
+                X = X + beta[t][:, None, None] * vf[t][:, :, None] * kt[:, None, :]
+                o[t] = (X @ (scale * qf[t])[:, :, None])[..., 0]
+            final[s] = X
+        return o.to(v.dtype), final
+
+
+class VllmGDNKernels:
+    """vLLM 0.20.2's kernels: causal_conv1d_fn, fused_post_conv_prep and its bundled fla chunk scan.
+
+    The augmented scan (V' = V + K) goes to the Triton/fla kernel directly: FlashInfer's GDN prefill
+    only takes V = 128.
+    """
+
+    @staticmethod
+    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu"):
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+        from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
+
+        num_segs = init_states.shape[0]
+        nums_dict, batch_ptr, token_chunk_offset_ptr = compute_causal_conv1d_metadata(
+            cu_cpu, device=x.device
+        )
+        meta = SimpleNamespace(
+            nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr
+        )
+        return causal_conv1d_fn(
+            x.transpose(0, 1),
+            weight,
+            bias,
+            conv_states=init_states,
+            query_start_loc=cu,
+            cache_indices=torch.arange(num_segs, dtype=torch.int32, device=x.device),
+            has_initial_state=torch.ones(num_segs, dtype=torch.bool, device=x.device),
+            activation=activation,
+            metadata=meta,
+        ).transpose(0, 1)
+
+    @staticmethod
+    def prep(y, a, b, w: GDNWeights):
+        from vllm.model_executor.layers.fla.ops import fused_post_conv_prep
+
+        return fused_post_conv_prep(
+            conv_output=y,
+            a=a,
+            b=b,
+            A_log=w.A_log,
+            dt_bias=w.dt_bias,
+            num_k_heads=w.num_k_heads,
+            head_k_dim=w.head_k_dim,
+            head_v_dim=w.head_v_dim,
+            apply_l2norm=True,
+            output_g_exp=False,
+        )
+
+    @staticmethod
+    def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None):
+        from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
+        from vllm.model_executor.layers.fla.ops.index import (
+            prepare_chunk_indices,
+            prepare_chunk_offsets,
+        )
+        from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
+
+        chunk_indices = prepare_chunk_indices(cu_cpu, FLA_CHUNK_SIZE).to(q.device, non_blocking=True)
+        chunk_offsets = prepare_chunk_offsets(cu_cpu, FLA_CHUNK_SIZE).to(q.device, non_blocking=True)
+        o, final = chunk_gated_delta_rule(
+            q=q[None],
+            k=k[None],
+            v=v[None],
+            g=g[None],
+            beta=beta[None],
+            scale=scale,
+            initial_state=init,
+            output_final_state=True,
+            cu_seqlens=cu,
+            chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets,
+            use_qk_l2norm_in_kernel=False,
+        )
+        return o[0], final
+
+
+# ------------------------------------------------------------------------------ conv halo
+def conv_with_halo(ctx: PCPContext, kernels, mixed_qkv, w: GDNWeights, conv_state, state_idx):
+    """Short conv of this rank's segments; writes each request's new conv state on every rank.
+
+    conv_state: [lines, D, W-1] view of the cache (oldest input first); state_idx: [R] cache lines.
+    """
+    T = ctx.t.num_local_tokens
+    width = w.conv_weight.shape[1]
+    w1 = width - 1
+    tail_rows, halo_idx, final_idx = ctx.conv_index(width)
+    D = mixed_qkv.shape[1]
+    tails = ctx.all_gather(mixed_qkv.index_select(0, tail_rows.reshape(-1)))  # [N*S*w1, D]
+    cached = conv_state.index_select(0, state_idx).transpose(1, 2).reshape(-1, D)  # [R*w1, D]
+    table = torch.cat([tails, cached.to(tails.dtype), tails.new_zeros(1, D)], 0)
+    halo = table.index_select(0, halo_idx.reshape(-1)).view(-1, w1, D).transpose(1, 2).contiguous()
+    new_state = table.index_select(0, final_idx.reshape(-1)).view(-1, w1, D).transpose(1, 2)
+    conv_state[state_idx] = new_state.to(conv_state.dtype)
+    return kernels.conv(
+        mixed_qkv[:T], w.conv_weight, w.conv_bias, halo.to(mixed_qkv.dtype), ctx.t.cu_q,
+        ctx.t.cu_q_cpu, w.activation,
+    )
+
+
+# --------------------------------------------------------------------------- state passing
+def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, w: GDNWeights,
+                      conv_state, ssm_state, state_idx):
+    """GDN core (conv + gated delta rule) of this rank's tokens, exact up to kernel rounding.
+
+    mixed_qkv [t_pad, D] (pre-conv), b/a [t_pad, HV], core_attn_out [t_pad, HV, V] (rows past the local
+    tokens are left as they are), ssm_state [lines, HV, V, K], state_idx [R] cache line per request.
+    """
+    plan = ctx.plan
+    T = ctx.t.num_local_tokens
+    y = conv_with_halo(ctx, kernels, mixed_qkv, w, conv_state, state_idx)
+    q, k, v, g, beta = kernels.prep(y, a[:T], b[:T], w)
+    HV, V = v.shape[1], v.shape[2]
+    K = k.shape[2]
+    idx = ctx.gdn_index()
+    seg_req = ctx.t.seg_req
+
+    # [X_0 | I] initial states; X_0 from the cache for a request's first segment on continuation
+    num_segs = seg_req.shape[0]
+    init = torch.zeros(num_segs, HV, V + K, K, dtype=torch.float32, device=v.device)
+    init[:, :, V:, :] = torch.eye(K, dtype=torch.float32, device=v.device)
+    cached = ssm_state.index_select(0, state_idx.index_select(0, seg_req)).float()
+    init[:, :, :V, :] = torch.where(idx["starts_from_cache"][:, None, None, None], cached, 0.0)
+
+    v_aug = torch.cat([v, v.new_zeros(T, HV, K)], dim=-1)
+    o, final = kernels.chunk(q, k, v_aug, g, beta, init, ctx.t.cu_q, ctx.t.cu_q_cpu)
+
+    out = o[:, :, :V]
+    if len(plan.split_reqs):  # every rank takes part in the gather, corrections or not
+        out = out.float()
+        summaries = ctx.all_gather(final.index_select(0, idx["split_slots"]))
+        num_split = len(plan.split_reqs)
+        chain = summaries.index_select(0, idx["chain"]).view(plan.num_blocks, num_split, HV, V + K, K)
+        x_end = chain[0, :, :, :V, :]
+        x_in = [x_end]  # x_in[b] (b >= 1) is the state entering block b
+        for blk in range(1, plan.num_blocks):
+            x_in.append(x_end)
+            x_end = x_end @ chain[blk, :, :, V:, :] + chain[blk, :, :, :V, :]
+        x_in = torch.stack(x_in).view(-1, HV, V, K)
+        cu = ctx.t.cu_q_cpu.tolist()
+        for j, row in idx["corrections"]:
+            r0, r1 = cu[j], cu[j + 1]
+            out[r0:r1] += torch.einsum("thk,hvk->thv", o[r0:r1, :, V:].float(), x_in[row])
+        ssm_state[state_idx.index_select(0, idx["split_reqs"])] = x_end.to(ssm_state.dtype)
+    rep_slots = idx["replicated_slots"]
+    if rep_slots.numel():
+        ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = final.index_select(
+            0, rep_slots
+        )[:, :, :V, :].to(ssm_state.dtype)
+    core_attn_out[:T] = out.to(core_attn_out.dtype)
+
+
+# ---------------------------------------------------------------------------------- island
+def gdn_island(ctx: PCPContext, full_core, mixed_qkv, b, a, core_attn_out):
+    """Gather the whole batch, run the plain GDN core on it on every rank, keep the local rows.
+
+    ``full_core(mixed_qkv, b, a, out)`` runs the unsplit core on the full batch layout and writes the
+    cache states (in vLLM: ``GatedDeltaNetAttention._forward_core`` with the full-batch metadata).
+    """
+    t = ctx.t
+    n_full = ctx.plan.num_tokens
+
+    def to_full(x):
+        return ctx.all_gather(x).index_select(0, t.gathered_of_full)
+
+    full_qkv, full_b, full_a = to_full(mixed_qkv), to_full(b), to_full(a)
+    full_out = core_attn_out.new_zeros(n_full, *core_attn_out.shape[1:])
+    full_core(full_qkv, full_b, full_a, full_out)
+    T = t.num_local_tokens
+    core_attn_out[:T] = full_out.index_select(0, t.local_idx[:T])
+
+
+def gdn_full_reference(kernels, mixed_qkv, b, a, out, w: GDNWeights, conv_state, ssm_state,
+                       state_idx, num_computed, cu_cpu):
+    """The plain (unsplit) GDN core of a batch of requests, with the given kernels; writes the states.
+
+    conv_state [lines, D, W-1]; ``num_computed`` (host ints) says which requests continue from the cache.
+    """
+    has_init = torch.tensor([int(c) > 0 for c in num_computed], device=mixed_qkv.device)
+    init_conv = conv_state.index_select(0, state_idx).to(mixed_qkv.dtype)
+    init_conv = torch.where(has_init[:, None, None], init_conv, 0)
+    cu = cu_cpu.to(mixed_qkv.device)
+    y = kernels.conv(mixed_qkv, w.conv_weight, w.conv_bias, init_conv, cu, cu_cpu, w.activation)
+    width = w.conv_weight.shape[1]
+    bounds = cu_cpu.tolist()
+    for i in range(len(bounds) - 1):
+        seq = torch.cat([init_conv[i].transpose(0, 1), mixed_qkv[bounds[i] : bounds[i + 1]]], 0)
+        conv_state[state_idx[i]] = seq[-(width - 1) :].transpose(0, 1).to(conv_state.dtype)
+    q, k, v, g, beta = kernels.prep(y, a, b, w)
+    init = ssm_state.index_select(0, state_idx).float()
+    init = torch.where(has_init[:, None, None, None], init, 0.0)
+    o, final = kernels.chunk(q, k, v, g, beta, init, cu, cu_cpu)
+    ssm_state[state_idx] = final.to(ssm_state.dtype)
+    out[: o.shape[0]] = o.to(out.dtype)

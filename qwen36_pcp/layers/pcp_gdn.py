@@ -1,0 +1,43 @@
+"""vLLM's GatedDeltaNetAttention with context-parallel steps (state passing or island).
+
+Only the core (conv + gated delta rule) changes: projections, gated norm and out_proj run on the local
+tokens as usual. Steps without a PCP context (pcp == 1, decode-only steps, profiling) take vLLM's path.
+"""
+
+from __future__ import annotations
+
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+from .context import current_pcp_context
+from .gdn_cp import GDNWeights, VllmGDNKernels, gdn_island, gdn_state_passing
+
+
+class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
+    def gdn_weights(self) -> GDNWeights:
+        w = self.conv1d.weight
+        return GDNWeights(
+            conv_weight=w.view(w.size(0), w.size(2)),
+            conv_bias=self.conv1d.bias,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            num_k_heads=self.num_k_heads // self.tp_size,
+            head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim,
+            activation=self.activation,
+        )
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        ctx = current_pcp_context()
+        if ctx is None:
+            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        if ctx.plan.config.gdn_mode == "island":
+            return gdn_island(ctx, super()._forward_core, mixed_qkv, b, a, core_attn_out)
+        meta = get_forward_context().attn_metadata[self.prefix]
+        conv_state = self.kv_cache[0]
+        if not is_conv_state_dim_first():
+            conv_state = conv_state.transpose(-1, -2)
+        state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
+        gdn_state_passing(ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(),
+                          conv_state, self.kv_cache[1], state_idx)

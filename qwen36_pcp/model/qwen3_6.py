@@ -1,0 +1,116 @@
+"""Qwen3_6ForCausalLM: text-only Qwen3.6 / Qwen3.5 hybrid (Gated DeltaNet + gated attention) model.
+
+Built on vLLM's own Qwen3.5 layers. It loads the published multimodal checkpoints
+(``model.language_model.*``; the vision tower and the MTP head are skipped) as well as flat text
+checkpoints, MoE and dense. It adds what vLLM 0.20.2's ``Qwen3_5*ForCausalLM`` lack for a hybrid model
+(``IsHybrid`` and the mamba-state classmethods) and text-only M-RoPE positions. At
+prefill_context_parallel_size > 1 its GDN layers and attention impls switch to the PCP versions; at
+pcp == 1 it is vLLM's model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
+from vllm.model_executor.models.interfaces import IsHybrid, SupportsMRoPE
+from vllm.model_executor.models.qwen3_5 import (
+    Qwen3_5ForCausalLMBase,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+)
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+
+logger = init_logger(__name__)
+
+ARCHITECTURE = "Qwen3_6ForCausalLM"
+# Checkpoint tensors that belong to parts this text-only model does not build.
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+
+
+class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        if getattr(self.config, "num_experts", 0):
+            self.set_moe_parameters()
+        else:  # dense (Qwen3.6-27B-style): not a mixture of experts
+            self.num_moe_layers = 0
+            self.expert_weights = []
+            self.moe_layers = []
+        if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+            install_pcp_layers(self)
+
+    # ---------------------------------------------------------------- hybrid
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return Qwen3_5ForConditionalGeneration.get_mamba_state_dtype_from_config(vllm_config)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return Qwen3_5ForConditionalGeneration.get_mamba_state_shape_from_config(vllm_config)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return Qwen3_5ForConditionalGeneration.get_mamba_state_copy_func()
+
+    # ---------------------------------------------------------------- M-RoPE
+    def get_mrope_input_positions(self, input_tokens, mm_features):
+        """Text only: the three M-RoPE axes all carry the token position (as vLLM's Qwen3.5-VL does)."""
+        if mm_features:
+            raise ValueError(f"{ARCHITECTURE} is text-only; multimodal inputs are not supported")
+        positions = torch.arange(len(input_tokens), dtype=torch.int64)
+        return positions.unsqueeze(0).expand(3, -1).contiguous(), 0
+
+    # --------------------------------------------------------------- weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skipped: dict[str, int] = {}
+
+        def kept():
+            for name, tensor in weights:
+                prefix = next((p for p in SKIPPED_PREFIXES if name.startswith(p)), None)
+                if prefix is None:
+                    yield name, tensor
+                else:
+                    skipped[prefix] = skipped.get(prefix, 0) + 1
+
+        loader = AutoWeightsLoader(self)
+        loaded = loader.load_weights(kept(), mapper=self.hf_to_vllm_mapper)
+        if skipped:
+            logger.info(
+                "%s: skipped checkpoint tensors this text-only model does not use: %s",
+                ARCHITECTURE,
+                ", ".join(f"{n} under {p!r}" for p, n in sorted(skipped.items())),
+            )
+        return loaded
+
+
+def install_pcp_layers(model: torch.nn.Module) -> None:
+    """Switch GDN layers and attention impls to their PCP versions (same weights, same caches)."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    from ..layers.pcp_attention import PCPFlashAttentionImpl
+    from ..layers.pcp_gdn import PCPGatedDeltaNetAttention
+
+    for name, module in model.named_modules():
+        if isinstance(module, GatedDeltaNetAttention):
+            module.__class__ = PCPGatedDeltaNetAttention
+        elif isinstance(module, Attention):
+            impl = module.impl
+            if type(impl) is not FlashAttentionImpl:
+                raise ValueError(
+                    f"{ARCHITECTURE}: prefill context parallel needs the FLASH_ATTN attention "
+                    f"backend, but layer {name} uses {type(impl).__name__}. Pass "
+                    "attention_backend='FLASH_ATTN' (or leave the backend on auto)."
+                )
+            if tuple(impl.sliding_window) != (-1, -1):
+                raise ValueError(
+                    f"{ARCHITECTURE}: prefill context parallel does not support sliding-window "
+                    f"attention (layer {name})."
+                )
+            impl.__class__ = PCPFlashAttentionImpl

@@ -1,0 +1,360 @@
+"""The per-step Prefill Context Parallel plan.
+
+Built on the host from what every PCP rank already knows (per request: tokens already in the cache and
+tokens scheduled this step), so every rank computes the same plan without any collective. Layers read it
+from vLLM's forward context; nothing in a layer exchanges metadata.
+
+Token layouts used throughout:
+- *full*: the runner's batch layout, requests back to back (request i at ``req_start[i]``).
+- *local* (rank r): rank r's segments back to back, then padding up to ``t_pad`` rows. Every rank has
+  ``t_pad`` rows because vLLM's MoE all-gathers over the PCP group and needs equal counts.
+- *gathered*: ``all_gather`` of the local layouts, rank-major (``rank * t_pad + row``).
+
+A request with at least ``min_split_tokens`` new tokens is *split*: its new tokens are cut into blocks
+(zigzag: 2N blocks, rank r owns blocks r and 2N-1-r, which balances causal attention work; contiguous:
+N blocks, rank r owns block r). Every other request (decode rows, short prompts) is *replicated*: each
+rank computes it in full, and rank 0's copy is the primary one (its K/V and hidden state are the ones
+kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+LAYOUTS = ("zigzag", "contiguous")
+GDN_MODES = ("state_passing", "island")
+
+
+@dataclass(frozen=True)
+class PCPConfig:
+    """User-facing PCP options, from ``additional_config={"qwen36_pcp": {...}}``."""
+
+    layout: str = "zigzag"
+    gdn_mode: str = "state_passing"
+    min_split_tokens: int = 512
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"qwen36_pcp: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.gdn_mode not in GDN_MODES:
+            raise ValueError(
+                f"qwen36_pcp: gdn_mode must be one of {GDN_MODES}, got {self.gdn_mode!r}"
+            )
+        if int(self.min_split_tokens) < 1:
+            raise ValueError(
+                f"qwen36_pcp: min_split_tokens must be >= 1, got {self.min_split_tokens!r}"
+            )
+
+    @classmethod
+    def from_additional_config(cls, additional_config: dict | None) -> PCPConfig:
+        options = dict((additional_config or {}).get("qwen36_pcp", {}) or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"qwen36_pcp: unknown option(s) {unknown} in additional_config['qwen36_pcp']; "
+                f"known: {sorted(known)}"
+            )
+        return cls(**options)
+
+    def num_blocks(self, world_size: int) -> int:
+        return 2 * world_size if self.layout == "zigzag" else world_size
+
+    def split_threshold(self, world_size: int) -> int:
+        """Fewest new tokens a request needs to be split (every block gets >= 1 token)."""
+        return max(int(self.min_split_tokens), self.num_blocks(world_size))
+
+    def step_splits(self, num_new_tokens, world_size: int) -> bool:
+        """Whether a step with these per-request new-token counts splits any request."""
+        if world_size <= 1:
+            return False
+        threshold = self.split_threshold(world_size)
+        return any(int(n) >= threshold for n in num_new_tokens)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of one request's new tokens [start, end) computed on one rank."""
+
+    req: int
+    start: int
+    end: int
+    block: int  # block index within a split request; -1 for a replicated request
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def block_bounds(num_tokens: int, num_blocks: int) -> np.ndarray:
+    """Near-equal block boundaries, sizes differ by at most one token."""
+    return (np.arange(num_blocks + 1, dtype=np.int64) * num_tokens) // num_blocks
+
+
+def block_owner(block: int, world_size: int, layout: str) -> int:
+    if layout == "contiguous":
+        return block
+    return block if block < world_size else 2 * world_size - 1 - block
+
+
+class PCPPlan:
+    """Which rank computes which tokens this step, and every index map the layers need.
+
+    All fields are numpy (host). ``device_tensors`` copies the ones the GPU needs, once per step.
+    """
+
+    def __init__(
+        self,
+        num_computed: np.ndarray,
+        num_new: np.ndarray,
+        world_size: int,
+        rank: int,
+        config: PCPConfig = PCPConfig(),
+        num_tokens_padded: int | None = None,
+    ):
+        self.num_computed = np.asarray(num_computed, dtype=np.int64)
+        self.num_new = np.asarray(num_new, dtype=np.int64)
+        if self.num_computed.shape != self.num_new.shape or self.num_new.ndim != 1:
+            raise ValueError("num_computed and num_new must be 1-D arrays of equal length")
+        if (self.num_new < 1).any():
+            raise ValueError("every scheduled request must have at least one new token")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        self.config = config
+        self.num_reqs = len(self.num_new)
+        self.req_start = np.concatenate([[0], np.cumsum(self.num_new)]).astype(np.int64)
+        self.num_tokens = int(self.req_start[-1])
+        self.num_tokens_padded = (
+            self.num_tokens if num_tokens_padded is None else int(num_tokens_padded)
+        )
+        if self.num_tokens_padded < self.num_tokens:
+            raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
+        self.num_blocks = config.num_blocks(self.world_size)
+        threshold = config.split_threshold(self.world_size)
+        self.split = (self.num_new >= threshold) & (self.world_size > 1)
+        self.split_reqs = np.flatnonzero(self.split)
+        self.block_bounds = {
+            int(i): block_bounds(int(self.num_new[i]), self.num_blocks) for i in self.split_reqs
+        }
+        self.segments = [self._segments_of(r) for r in range(self.world_size)]
+        self.slot_of = [
+            {(s.req, s.block): j for j, s in enumerate(segs)} for segs in self.segments
+        ]
+        self.t_pad = max(1, max(sum(s.length for s in segs) for segs in self.segments))
+        self._build_row_maps()
+
+    # ------------------------------------------------------------------ layout
+    def _segments_of(self, r: int) -> list[Segment]:
+        segs = []
+        for i in range(self.num_reqs):
+            if self.split[i]:
+                bounds = self.block_bounds[i]
+                for b in range(self.num_blocks):
+                    if block_owner(b, self.world_size, self.config.layout) == r:
+                        segs.append(Segment(i, int(bounds[b]), int(bounds[b + 1]), b))
+            else:
+                segs.append(Segment(i, 0, int(self.num_new[i]), -1))
+        return segs
+
+    def _build_row_maps(self) -> None:
+        n, t = self.world_size, self.t_pad
+        self.local_full_idx = np.full((n, t), -1, dtype=np.int64)
+        self.primary = np.zeros((n, t), dtype=bool)
+        self.seg_offsets = []  # per rank: local row where each segment starts (+ total)
+        for r, segs in enumerate(self.segments):
+            row = 0
+            offs = []
+            for s in segs:
+                offs.append(row)
+                full = self.req_start[s.req] + np.arange(s.start, s.end)
+                self.local_full_idx[r, row : row + s.length] = full
+                self.primary[r, row : row + s.length] = s.block >= 0 or r == 0
+                row += s.length
+            offs.append(row)
+            self.seg_offsets.append(np.asarray(offs, dtype=np.int64))
+        # gathered row of the primary copy of every full token
+        flat_full = self.local_full_idx.reshape(-1)
+        flat_primary = self.primary.reshape(-1)
+        self.gathered_of_full = np.full(self.num_tokens, -1, dtype=np.int64)
+        self.gathered_of_full[flat_full[flat_primary]] = np.flatnonzero(flat_primary)
+        assert (self.gathered_of_full >= 0).all(), "a scheduled token has no primary copy"
+
+    # ------------------------------------------------------------ convenience
+    @property
+    def splits_any(self) -> bool:
+        return bool(self.split.any())
+
+    @property
+    def local_segments(self) -> list[Segment]:
+        return self.segments[self.rank]
+
+    @property
+    def num_local_tokens(self) -> int:
+        return int(self.seg_offsets[self.rank][-1])
+
+    def tokens_per_rank(self) -> np.ndarray:
+        return np.array([int(o[-1]) for o in self.seg_offsets], dtype=np.int64)
+
+    def last_token_owner(self) -> np.ndarray:
+        """Rank holding the primary copy of each request's last new token."""
+        last_full = self.req_start[1:] - 1
+        return self.gathered_of_full[last_full] // self.t_pad
+
+    def seg_local_rows(self, r: int, j: int) -> tuple[int, int]:
+        return int(self.seg_offsets[r][j]), int(self.seg_offsets[r][j + 1])
+
+    # -------------------------------------------------- attention (per rank)
+    def attention_vseqs(self, r: int | None = None):
+        """Virtual sequences of rank r: (cu_q, seqused_k, request) for end-aligned causal attention.
+
+        Segment [start, end) of request i with c cached tokens attends keys [0, c + start + q] for its
+        q-th query: flash-attention's bottom-right causal mask with seqused_k = c + end gives exactly that.
+        """
+        r = self.rank if r is None else r
+        segs = self.segments[r]
+        cu_q = self.seg_offsets[r].astype(np.int32)
+        seqused_k = np.array([self.num_computed[s.req] + s.end for s in segs], dtype=np.int32)
+        reqs = np.array([s.req for s in segs], dtype=np.int64)
+        return cu_q, seqused_k, reqs
+
+    def gathered_full_idx(self) -> np.ndarray:
+        """Full index of each gathered row that must be written to the KV cache, else -1."""
+        flat = self.local_full_idx.reshape(-1).copy()
+        flat[~self.primary.reshape(-1)] = -1
+        return flat
+
+    # ------------------------------------------------------- GDN (per rank)
+    @cached_property
+    def split_segment_slots(self) -> list[list[int]]:
+        """Per rank: positions (in that rank's segment list) of its split segments, in order."""
+        return [[j for j, s in enumerate(segs) if s.block >= 0] for segs in self.segments]
+
+    @cached_property
+    def num_split_segments(self) -> int:
+        counts = {len(x) for x in self.split_segment_slots}
+        assert len(counts) == 1, "every rank must hold the same number of split segments"
+        return counts.pop()
+
+    @cached_property
+    def summary_chain(self) -> np.ndarray:
+        """[num_blocks, num_split_reqs]: gathered-summary index of (request k, block b)."""
+        chain = np.full((self.num_blocks, len(self.split_reqs)), -1, dtype=np.int64)
+        k_of_req = {int(i): k for k, i in enumerate(self.split_reqs)}
+        for r in range(self.world_size):
+            for slot, j in enumerate(self.split_segment_slots[r]):
+                s = self.segments[r][j]
+                chain[s.block, k_of_req[s.req]] = r * self.num_split_segments + slot
+        assert (chain >= 0).all()
+        return chain
+
+    def conv_sources(self, width: int, r: int | None = None):
+        """Where each conv input needed across segment boundaries comes from.
+
+        Index space (rows of [D]-vectors): ``tails`` of every rank's segments first (rank-major,
+        segment, width-1 rows each: the segment's last width-1 inputs), then the cached conv state of
+        every request (width-1 rows each, oldest first), then one zero row.
+        Returns (halo [S_r, width-1] for rank r's segments, final [num_reqs, width-1] for each request's
+        new conv state).
+        """
+        r = self.rank if r is None else r
+        w1 = width - 1
+        num_segs = len(self.segments[0])
+        tails_rows = self.world_size * num_segs * w1
+        zero_row = tails_rows + self.num_reqs * w1
+
+        # where the primary copy of (request, position) lives: (rank, segment slot)
+        def locate(i: int, p: int) -> int:
+            if p < 0:
+                if self.num_computed[i] > 0:
+                    return tails_rows + i * w1 + (w1 + p)
+                return zero_row
+            if self.split[i]:
+                bounds = self.block_bounds[i]
+                b = int(np.searchsorted(bounds, p, side="right") - 1)
+                owner = block_owner(b, self.world_size, self.config.layout)
+                end = int(bounds[b + 1])
+            else:
+                b, owner, end = -1, 0, int(self.num_new[i])
+            slot = self.slot_of[owner][(i, b)]
+            off = p - (end - w1)
+            assert 0 <= off < w1, "conv halo reaches past the tail of its segment"
+            return (owner * num_segs + slot) * w1 + off
+
+        halo = np.array(
+            [[locate(s.req, s.start - w1 + w) for w in range(w1)] for s in self.segments[r]],
+            dtype=np.int64,
+        ).reshape(-1, w1)
+        final = np.array(
+            [[locate(i, int(self.num_new[i]) - w1 + w) for w in range(w1)] for i in range(self.num_reqs)],
+            dtype=np.int64,
+        ).reshape(-1, w1)
+        return halo, final
+
+    def tail_rows(self, width: int, r: int | None = None) -> np.ndarray:
+        """[S_r, width-1] local rows holding each segment's last width-1 inputs (clamped in range)."""
+        r = self.rank if r is None else r
+        w1 = width - 1
+        ends = self.seg_offsets[r][1:]
+        rows = ends[:, None] - w1 + np.arange(w1)[None, :]
+        return np.clip(rows, 0, max(self.t_pad - 1, 0)).astype(np.int64)
+
+    # ------------------------------------------------------------- device
+    def device_tensors(self, device) -> PlanTensors:
+        cached = getattr(self, "_device_cache", None)
+        if cached is not None and cached.device == torch.device(device):
+            return cached
+        self._device_cache = PlanTensors.build(self, torch.device(device))
+        return self._device_cache
+
+
+@dataclass
+class PlanTensors:
+    """The per-step index tensors, copied to the device once and shared by every layer."""
+
+    device: torch.device
+    local_idx: torch.Tensor  # [t_pad] full index per local row (padding -> 0)
+    gathered_full_idx: torch.Tensor  # [N*t_pad] full index to write, -1 to skip
+    gathered_of_full: torch.Tensor  # [num_tokens] gathered row of each full token's primary copy
+    cu_q: torch.Tensor  # [S+1] int32, local segments
+    seqused_k: torch.Tensor  # [S] int32
+    seg_req: torch.Tensor  # [S] int64
+    max_q: int
+    max_k: int
+    num_local_tokens: int
+    cu_q_cpu: torch.Tensor
+    extra: dict = dataclasses.field(default_factory=dict)  # per-layer-kind caches (conv width, ...)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_req.shape[0])
+
+    @classmethod
+    def build(cls, plan: PCPPlan, device: torch.device) -> PlanTensors:
+        cu_q, seqused_k, reqs = plan.attention_vseqs()
+        local = plan.local_full_idx[plan.rank].copy()
+        local[local < 0] = 0
+
+        def to(x, dtype):
+            return torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype).to(device, non_blocking=True)
+
+        lens = np.diff(cu_q)
+        return cls(
+            device=device,
+            local_idx=to(local, torch.int64),
+            gathered_full_idx=to(plan.gathered_full_idx(), torch.int64),
+            gathered_of_full=to(plan.gathered_of_full, torch.int64),
+            cu_q=to(cu_q, torch.int32),
+            seqused_k=to(seqused_k, torch.int32),
+            seg_req=to(reqs, torch.int64),
+            max_q=int(lens.max()) if len(lens) else 0,
+            max_k=int(seqused_k.max()) if len(seqused_k) else 0,
+            num_local_tokens=plan.num_local_tokens,
+            cu_q_cpu=torch.from_numpy(cu_q.copy()),
+        )

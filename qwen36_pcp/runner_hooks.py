@@ -1,0 +1,368 @@
+"""Every place where qwen36_pcp touches vLLM internals. Written for vLLM 0.20.2.
+
+Each hook is named after what it fixes, is installed at most once per process (``install`` is
+idempotent), and acts only when the running model is ``Qwen3_6ForCausalLM`` with
+prefill_context_parallel_size > 1; otherwise it calls vLLM's code unchanged.
+
+KV cache under PCP: vLLM 0.20.2 would SHARD the KV cache over PCP ranks (and rejects hybrid models).
+We keep it REPLICATED: every PCP rank holds the whole KV cache and every request's GDN states, so block
+accounting and slot mapping are those of pcp == 1, consistently in the engine core (scheduler, KV-cache
+sizing) and in the workers (block tables, slot mapping). Split steps write all ranks' new K/V into every
+rank's cache; decode then runs replicated on every rank.
+
+Runner: each step's plan comes from the scheduler output (identical on all ranks); split steps run
+eagerly (no CUDA graph, whose captured sizes are for the full batch), each rank runs the model on its
+token slice, and the full hidden states are re-assembled by an all-gather, so sampling, logprobs and
+prompt logprobs see exactly what they see at pcp == 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import numpy as np
+import torch
+
+from .model.qwen3_6 import ARCHITECTURE
+from .plan import PCPConfig, PCPPlan
+
+logger = logging.getLogger("qwen36_pcp")
+
+SUPPORTED_VLLM_VERSION = "0.20.2"
+_PATCHED_MARK = "__qwen36_pcp_original__"
+_installed = False
+# Set in a worker process once its model runner serves our model with pcp > 1.
+_worker_kv_replicated = False
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def version_supported() -> bool:
+    return vllm_version().split("+")[0] == SUPPORTED_VLLM_VERSION
+
+
+def uses_pcp(vllm_config) -> bool:
+    """Our model with prefill_context_parallel_size > 1: the only case any hook acts on."""
+    if vllm_config is None or vllm_config.model_config is None:
+        return False
+    archs = getattr(vllm_config.model_config, "architectures", None) or []
+    return vllm_config.parallel_config.prefill_context_parallel_size > 1 and ARCHITECTURE in archs
+
+
+def pcp_config_of(vllm_config) -> PCPConfig:
+    return PCPConfig.from_additional_config(vllm_config.additional_config)
+
+
+def _as_pcp1(vllm_config):
+    """A shallow copy of the config that says pcp == 1 (for replicated-KV block accounting)."""
+    view = copy.copy(vllm_config)
+    parallel = copy.copy(vllm_config.parallel_config)
+    object.__setattr__(parallel, "prefill_context_parallel_size", 1)
+    object.__setattr__(view, "parallel_config", parallel)
+    return view
+
+
+def _patch(owner, name: str, make_wrapper) -> None:
+    """Replace ``owner.name`` by ``make_wrapper(original)`` once (idempotent)."""
+    current = getattr(owner, name)
+    if getattr(current, _PATCHED_MARK, None) is not None:
+        return
+    wrapper = make_wrapper(current)
+    functools.update_wrapper(wrapper, current)
+    setattr(wrapper, _PATCHED_MARK, current)
+    setattr(owner, name, wrapper)
+
+
+# =============================================================================== startup checks
+def validate_pcp_config(vllm_config) -> None:
+    """Reject, at startup and with one clear message, what PCP for Qwen3.6 does not support."""
+    if not uses_pcp(vllm_config):
+        return
+    pc = vllm_config.parallel_config
+    problems = []
+    try:
+        pcp_config_of(vllm_config)
+    except ValueError as e:
+        problems.append(str(e))
+    if pc.decode_context_parallel_size > 1:
+        problems.append("decode context parallel (-dcp > 1) together with PCP")
+    if pc.pipeline_parallel_size > 1:
+        problems.append("pipeline parallel together with PCP")
+    if pc.data_parallel_size > 1:
+        problems.append("data parallel together with PCP")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding (MTP / draft models) together with PCP")
+    backend = getattr(vllm_config.attention_config, "backend", None)
+    if backend is not None and getattr(backend, "name", str(backend)) != "FLASH_ATTN":
+        problems.append(f"attention backend {getattr(backend, 'name', backend)} (PCP needs FLASH_ATTN)")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in ("auto", "bfloat16", "float16"):
+        problems.append(f"quantized KV cache (kv_cache_dtype={cache_dtype}) together with PCP")
+    text = vllm_config.model_config.hf_text_config
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        problems.append("sliding-window attention layers")
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    if "linear_attention" not in layer_types or "full_attention" not in layer_types:
+        problems.append(
+            "a non-hybrid model (PCP here is for Gated DeltaNet + full-attention hybrids; "
+            f"layer_types={sorted(set(layer_types))})"
+        )
+    if getattr(vllm_config.model_config, "enable_return_routed_experts", False):
+        problems.append("enable_return_routed_experts together with PCP")
+    if problems:
+        raise ValueError(
+            f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
+            f"{ARCHITECTURE} does not support: " + "; ".join(problems) + "."
+        )
+
+
+def install_startup_checks() -> None:
+    """Run our checks where vLLM verifies model-specific config (VllmConfig.__post_init__)."""
+    from vllm.model_executor.models import config as model_configs
+
+    base = model_configs.MODELS_CONFIG_MAP["Qwen3_5MoeForConditionalGeneration"]
+    if model_configs.MODELS_CONFIG_MAP.get(ARCHITECTURE) is not None:
+        return
+
+    class Qwen36PCPConfig(base):
+        @classmethod
+        def verify_and_update_config(cls, vllm_config) -> None:
+            base.verify_and_update_config(vllm_config)  # Qwen3.5's mamba_ssm_dtype handling
+            validate_pcp_config(vllm_config)
+
+    model_configs.MODELS_CONFIG_MAP[ARCHITECTURE] = Qwen36PCPConfig
+
+
+# ============================================================= engine core: replicated KV cache
+def replicated_kv_block_sizes() -> None:
+    """Hybrid models have several KV groups; 0.20.2 raises for those under PCP. Resolve as pcp == 1."""
+    import vllm.v1.engine.core as core
+
+    def make(orig):
+        def resolve_kv_cache_block_sizes(kv_cache_config, vllm_config):
+            if uses_pcp(vllm_config):
+                vllm_config = _as_pcp1(vllm_config)
+            return orig(kv_cache_config, vllm_config)
+
+        return resolve_kv_cache_block_sizes
+
+    _patch(core, "resolve_kv_cache_block_sizes", make)
+
+
+def replicated_kv_scheduler_accounting() -> None:
+    """The scheduler's KV-cache manager (and its hybrid/mamba asserts) sees pcp == 1."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def make(orig):
+        def __init__(self, vllm_config, *args, **kwargs):
+            if not uses_pcp(vllm_config):
+                return orig(self, vllm_config, *args, **kwargs)
+            orig(self, _as_pcp1(vllm_config), *args, **kwargs)
+            self.vllm_config = vllm_config
+            self.parallel_config = vllm_config.parallel_config
+
+        return __init__
+
+    _patch(Scheduler, "__init__", make)
+
+
+def replicated_kv_memory_sizing() -> None:
+    """A full-attention layer needs the whole sequence's KV on every PCP rank, not 1/pcp of it."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    def make(orig):
+        def max_memory_usage_bytes(self, vllm_config):
+            if uses_pcp(vllm_config):
+                vllm_config = _as_pcp1(vllm_config)
+            return orig(self, vllm_config)
+
+        return max_memory_usage_bytes
+
+    _patch(FullAttentionSpec, "max_memory_usage_bytes", make)
+
+
+# =================================================================== worker: replicated KV cache
+def replicated_kv_block_tables() -> None:
+    """Block tables and slot mapping as at pcp == 1 (the whole sequence's slots on every rank)."""
+    import vllm.v1.worker.block_table as block_table
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    def make_init(orig):
+        def __init__(self, *args, **kwargs):
+            orig(self, *args, **kwargs)
+            if _worker_kv_replicated:
+                self.pcp_world_size, self.pcp_rank = 1, 0
+
+        return __init__
+
+    _patch(block_table.BlockTable, "__init__", make_init)
+
+    def make_size(orig):
+        def get_total_cp_world_size():
+            total = orig()
+            if _worker_kv_replicated:
+                from vllm.distributed import get_pcp_group
+
+                total //= get_pcp_group().world_size
+            return total
+
+        return get_total_cp_world_size
+
+    for module in (block_table, gmr):
+        _patch(module, "get_total_cp_world_size", make_size)
+
+
+# ======================================================================== worker: the runner
+class RunnerPCPState:
+    """Per model runner: the PCP config and group, and the step's split decision."""
+
+    def __init__(self, vllm_config):
+        from vllm.distributed import get_pcp_group
+
+        self.config = pcp_config_of(vllm_config)
+        self.group = get_pcp_group()
+        self.world_size = self.group.world_size
+        self.rank = self.group.rank_in_group
+        self.split_step = False
+
+    def plan(self, runner, num_tokens_padded: int) -> PCPPlan | None:
+        num_reqs = runner.input_batch.num_reqs
+        qsl = runner.query_start_loc.np[: num_reqs + 1]
+        num_new = np.diff(qsl).astype(np.int64)
+        if not self.config.step_splits(num_new, self.world_size):
+            return None
+        num_computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        return PCPPlan(num_computed, num_new, self.world_size, self.rank, self.config,
+                       num_tokens_padded=num_tokens_padded)
+
+
+def _state(runner) -> RunnerPCPState | None:
+    state = getattr(runner, "_qwen36_pcp", None)
+    if state is None and uses_pcp(runner.vllm_config):
+        state = runner._qwen36_pcp = RunnerPCPState(runner.vllm_config)
+    return state
+
+
+def runner_split_steps() -> None:
+    """Split each long prompt over the PCP ranks inside the V1 GPU model runner."""
+    from vllm.forward_context import get_forward_context
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
+
+    def make_init(orig):
+        def __init__(self, vllm_config, *args, **kwargs):
+            global _worker_kv_replicated
+            if uses_pcp(vllm_config):
+                _worker_kv_replicated = True
+            orig(self, vllm_config, *args, **kwargs)
+
+        return __init__
+
+    def make_execute(orig):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            state = _state(self)
+            if state is None:
+                return orig(self, scheduler_output, *args, **kwargs)
+            state.split_step = state.config.step_splits(
+                scheduler_output.num_scheduled_tokens.values(), state.world_size
+            )
+            try:
+                return orig(self, scheduler_output, *args, **kwargs)
+            finally:
+                state.split_step = False
+
+        return execute_model
+
+    def make_padding(orig):
+        def _determine_batch_execution_and_padding(self, *args, **kwargs):
+            state = getattr(self, "_qwen36_pcp", None)
+            if state is not None and state.split_step:
+                # CUDA graphs were captured for full-batch sizes; a split step runs a local slice.
+                kwargs["force_eager"] = True
+            return orig(self, *args, **kwargs)
+
+        return _determine_batch_execution_and_padding
+
+    def make_forward(orig):
+        def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                           inputs_embeds=None, **model_kwargs):
+            state = _state(self)
+            if state is None:
+                return orig(self, input_ids, positions, intermediate_tensors, inputs_embeds,
+                            **model_kwargs)
+            full = input_ids if input_ids is not None else inputs_embeds
+            plan = state.plan(self, full.shape[0]) if state.split_step else None
+            if plan is None:
+                hidden = orig(self, input_ids, positions, intermediate_tensors, inputs_embeds,
+                              **model_kwargs)
+                return _same_sample_rows(self, state, hidden)
+            ctx = PCPContext(plan, state.group, full.device)
+            idx = ctx.t.local_idx
+            forward_context = get_forward_context()
+            forward_context.additional_kwargs[FORWARD_CONTEXT_KEY] = ctx
+            try:
+                hidden = orig(
+                    self,
+                    None if input_ids is None else input_ids.index_select(0, idx),
+                    None if positions is None else positions.index_select(-1, idx),
+                    intermediate_tensors,
+                    None if inputs_embeds is None else inputs_embeds.index_select(0, idx),
+                    **model_kwargs,
+                )
+            finally:
+                forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
+            gathered = ctx.all_gather(hidden)
+            out = hidden.new_zeros(plan.num_tokens_padded, hidden.shape[-1])
+            out[: plan.num_tokens] = gathered.index_select(0, ctx.t.gathered_of_full)
+            return out
+
+        return _model_forward
+
+    _patch(GPUModelRunner, "__init__", make_init)
+    _patch(GPUModelRunner, "execute_model", make_execute)
+    _patch(GPUModelRunner, "_determine_batch_execution_and_padding", make_padding)
+    _patch(GPUModelRunner, "_model_forward", make_forward)
+
+
+def _same_sample_rows(runner, state: RunnerPCPState, hidden: torch.Tensor) -> torch.Tensor:
+    """Unsplit steps run replicated; make the rows that get sampled bit-identical on every rank.
+
+    (With more than two ranks vLLM's MoE reduce-scatter may sum in a different order per rank; every
+    rank must sample the same token because it feeds its own sample into the next step.)
+    """
+    num_reqs = runner.input_batch.num_reqs
+    rows = runner.query_start_loc.gpu[1 : num_reqs + 1].long() - 1
+    rank0 = state.group.all_gather(hidden.index_select(0, rows).contiguous(), dim=0)[:num_reqs]
+    hidden.index_copy_(0, rows, rank0)
+    return hidden
+
+
+# ==================================================================================== install
+def install() -> bool:
+    """Install every hook (idempotent). Returns False, changing nothing, on another vLLM version."""
+    global _installed
+    if _installed:
+        return True
+    if not version_supported():
+        logger.warning(
+            "qwen36_pcp: written for vLLM %s, found %s: prefill context parallel hooks not "
+            "installed (the model still registers; -pcp > 1 will be rejected by vLLM).",
+            SUPPORTED_VLLM_VERSION,
+            vllm_version(),
+        )
+        return False
+    install_startup_checks()
+    replicated_kv_block_sizes()
+    replicated_kv_scheduler_accounting()
+    replicated_kv_memory_sizing()
+    replicated_kv_block_tables()
+    runner_split_steps()
+    _installed = True
+    return True

@@ -1,0 +1,97 @@
+"""Run a function on N processes as a PCP group (layer tests and benchmarks).
+
+CPU (gloo): the group is vLLM's own GroupCoordinator, exactly the class ``get_pcp_group()`` returns.
+GPU (nccl): a thin torch.distributed adapter with the same ``all_gather`` contract (vLLM's CUDA
+communicator needs the whole engine's distributed setup).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TorchDistGroup:
+    """GroupCoordinator's all_gather contract over the default torch.distributed group."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.world_size = dist.get_world_size()
+        self.rank_in_group = dist.get_rank()
+
+    def all_gather(self, x, dim=0):
+        import torch
+        import torch.distributed as dist
+
+        assert dim == 0
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+
+def _worker(rank, world_size, port, fn, args, queue, backend):
+    try:
+        import torch
+        import torch.distributed as dist
+
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                    device_id=torch.device("cuda", rank))
+            group = TorchDistGroup()
+        else:
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            from vllm.distributed.parallel_state import GroupCoordinator
+
+            group = GroupCoordinator(
+                [list(range(world_size))],
+                local_rank=rank,
+                torch_distributed_backend="gloo",
+                use_device_communicator=True,
+                group_name=f"pcp_test_{world_size}",
+            )
+        result = fn(rank, group, *args)
+        queue.put((rank, "ok", result))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report, never hang the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, group, *args)`` on ``world_size`` processes; returns the per-rank results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,60 @@
+"""Qwen3_6ForCausalLM at pcp=1 == vLLM's own Qwen3_5MoeForConditionalGeneration (1 GPU), and serving.
+
+    python -m pytest -q -s tests/gpu/test_model_parity.py
+"""
+
+import pytest
+import torch
+
+from . import e2e
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+LENGTHS = (17, 1000, 4097, 16384)
+
+
+def test_same_tokens_and_logprobs_as_vllm_qwen3_5():
+    ckpt = e2e.checkpoint("tiny")
+    prompts = e2e.prompt_ids(LENGTHS, vocab=_vocab(ckpt), seed=1)
+    common = dict(max_model_len=17000, enforce_eager=True)
+    ours = e2e.engine({"llm": e2e.base_llm_kwargs(ckpt, **common), "prompts": prompts}, name="parity_ours")
+    stock_kwargs = e2e.base_llm_kwargs(ckpt, **common)
+    stock_kwargs.pop("hf_overrides")
+    stock_kwargs["language_model_only"] = True
+    stock = e2e.engine({"llm": stock_kwargs, "prompts": prompts}, name="parity_stock")
+    a, b = ours["runs"][0]["outputs"], stock["runs"][0]["outputs"]
+    cmp = e2e.compare(b, a)
+    same_tokens = all(x["token_ids"] == y["token_ids"] for x, y in zip(a, b))
+    report = {"lengths": LENGTHS, "same_tokens": same_tokens, **cmp}
+    print("parity ours vs vLLM Qwen3_5MoeForConditionalGeneration:", report)
+    e2e.save("parity", report)
+    assert same_tokens, report
+    assert cmp["max_logprob_diff"] <= 1e-3, report
+
+
+def test_serve_answers_completions_and_chat():
+    ckpt = e2e.checkpoint("tiny")
+
+    def requests(url):
+        comp = e2e.post(f"{url}/v1/completions", {"model": ckpt, "prompt": "Hello, my name is",
+                                                   "max_tokens": 16, "temperature": 0})
+        chat = e2e.post(f"{url}/v1/chat/completions", {
+            "model": ckpt, "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say something."}]})
+        return comp, chat
+
+    comp, chat = e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
+                            "--gdn-prefill-backend", "triton", "--max-model-len", "4096",
+                            "--gpu-memory-utilization", "0.5", "--enforce-eager"], requests, name="serve_pcp1")
+    e2e.save("serve_pcp1", {"completion": comp, "chat": chat})
+    assert comp["choices"][0]["text"], comp
+    assert chat["choices"][0]["message"]["content"] is not None, chat
+    assert chat["usage"]["completion_tokens"] > 0, chat
+
+
+def _vocab(ckpt):
+    import json
+    import os
+
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    return cfg.get("text_config", cfg)["vocab_size"]

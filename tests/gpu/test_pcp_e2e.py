@@ -1,0 +1,131 @@
+"""Prefill context parallel end to end on 2 GPUs: pcp=2 vs pcp=1, with tp=2 as the yardstick.
+
+    python -m pytest -q -s tests/gpu/test_pcp_e2e.py          # needs 2 GPUs
+
+PCP passes a case when (a) per prompt the tokens are identical, or identical up to a step where each
+side's token is in the other's top-5 (vLLM's check_logprobs_close rule), and (b) the largest |logprob
+difference| over the shared prefix is at most 1.5x what tp=2 shows against pcp=1 on the same case.
+"""
+
+import concurrent.futures as cf
+
+import pytest
+import torch
+
+from . import e2e
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+PARALLEL = {
+    "pcp1": dict(tensor_parallel_size=1, prefill_context_parallel_size=1),
+    "pcp2": dict(tensor_parallel_size=1, prefill_context_parallel_size=2),
+    "tp2": dict(tensor_parallel_size=2, prefill_context_parallel_size=1),
+}
+REPORT = {}
+
+
+def _vocab(ckpt):
+    import json
+    import os
+
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    return cfg.get("text_config", cfg)["vocab_size"]
+
+
+def _judge(case, runs):
+    """runs: {"pcp1": outputs, "pcp2": outputs, "tp2": outputs} -> asserts and records."""
+    pcp = e2e.compare(runs["pcp1"], runs["pcp2"])
+    tp = e2e.compare(runs["pcp1"], runs["tp2"])
+    allowed = 1.5 * tp["max_logprob_diff"]
+    REPORT[case] = {"pcp2_vs_pcp1": pcp, "tp2_vs_pcp1": tp, "allowed": allowed}
+    print(f"[{case}] pcp2 vs pcp1: ok={pcp['ok']} max|dlogprob|={pcp['max_logprob_diff']:.4g} "
+          f"diverged={pcp['diverged_at']} | tp2 vs pcp1: max|dlogprob|={tp['max_logprob_diff']:.4g} "
+          f"diverged={tp['diverged_at']} | allowed {allowed:.4g}")
+    e2e.save("pcp_e2e", REPORT)
+    assert pcp["ok"], REPORT[case]
+    assert pcp["max_logprob_diff"] <= allowed, REPORT[case]
+
+
+def _run_all(case, spec_of, timeout=480):
+    results = {}
+    for name, par in PARALLEL.items():
+        spec = spec_of(name)
+        spec["llm"].update(par)
+        results[name] = e2e.engine(spec, timeout=timeout, name=f"{case}_{name}")
+    return results
+
+
+def test_unequal_batch_max_tokens_one_abort_and_shutdown():
+    """Case 1 (6 prompts of unequal lengths, CUDA graphs on) + case 4 (max_tokens=1, abort, shutdown)."""
+    ckpt = e2e.checkpoint("tiny")
+    vocab = _vocab(ckpt)
+    prompts = e2e.prompt_ids((1, 3, 1000, 4097, 20000, 65536), vocab, seed=2)
+
+    def spec(name):
+        s = {"llm": e2e.base_llm_kwargs(ckpt), "prompts": prompts}
+        if name == "pcp2":
+            s["actions"] = ["max_tokens_one", "abort_mid_prefill"]
+            s["abort_prompt"] = e2e.prompt_ids((30000,), vocab, seed=3)[0]
+        return s
+
+    res = _run_all("case1_unequal_batch", spec)
+    _judge("case1_unequal_batch", {k: v["runs"][0]["outputs"] for k, v in res.items()})
+    pcp2 = res["pcp2"]
+    REPORT["case4"] = {"max_tokens_one": pcp2["max_tokens_one"], "abort": pcp2["abort_mid_prefill"],
+                       "shutdown_s": pcp2["shutdown_s"],
+                       "startup_s": {k: v["startup_s"] for k, v in res.items()}}
+    e2e.save("pcp_e2e", REPORT)
+    assert pcp2["max_tokens_one"] == [1] * len(prompts)
+    assert "victim" not in pcp2["abort_mid_prefill"]["finished"]
+    assert pcp2["abort_mid_prefill"]["finished"].get("survivor") == 8
+    assert pcp2["shutdown_s"] < 60
+
+
+def test_chunked_prefill():
+    """Case 2: max_num_batched_tokens=2048 on a 20000-token prompt (10 chunks, each a continuation)."""
+    ckpt = e2e.checkpoint("tiny")
+    prompts = e2e.prompt_ids((20000,), _vocab(ckpt), seed=4)
+    res = _run_all("case2_chunked", lambda name: {
+        "llm": e2e.base_llm_kwargs(ckpt, max_num_batched_tokens=2048, enforce_eager=True,
+                                   max_model_len=21000),
+        "prompts": prompts})
+    _judge("case2_chunked", {k: v["runs"][0]["outputs"] for k, v in res.items()})
+
+
+def test_prefix_caching():
+    """Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit."""
+    ckpt = e2e.checkpoint("tiny")
+    vocab = _vocab(ckpt)
+    prefix = e2e.prompt_ids((20000,), vocab, seed=5)[0]
+    a, b = e2e.prompt_ids((300, 700), vocab, seed=6)
+    res = _run_all("case3_prefix_cache", lambda name: {
+        "llm": e2e.base_llm_kwargs(ckpt, enable_prefix_caching=True, enforce_eager=True, max_model_len=21000),
+        "batches": [[prefix + a], [prefix + b]]})
+    runs = {k: v["runs"][0]["outputs"] + v["runs"][1]["outputs"] for k, v in res.items()}
+    cached = {k: v["runs"][1]["outputs"][0]["num_cached_tokens"] for k, v in res.items()}
+    REPORT["case3_cached_tokens_second_request"] = cached
+    assert cached["pcp2"] >= 10000, cached  # the second request really hit the cache
+    _judge("case3_prefix_cache", runs)
+
+
+def test_serve_64_concurrent():
+    """Case 5: vllm serve -pcp 2: 64 concurrent completions of mixed lengths all return, none empty."""
+    ckpt = e2e.checkpoint("tiny")
+    words = "the quick brown fox jumps over the lazy dog while context parallel prefill splits prompts"
+
+    def requests(url):
+        def one(i):
+            prompt = " ".join([words] * (1 + (i * 37) % 400))
+            r = e2e.post(f"{url}/v1/completions", {"model": ckpt, "prompt": prompt, "max_tokens": 16,
+                                                    "temperature": 0, "ignore_eos": True})
+            return r["choices"][0]["text"], r["usage"]
+        with cf.ThreadPoolExecutor(64) as pool:
+            return list(pool.map(one, range(64)))
+
+    outs = e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
+                      "-pcp", "2", "--gdn-prefill-backend", "triton", "--max-model-len", "16384",
+                      "--gpu-memory-utilization", "0.5"], requests, name="serve_pcp2")
+    REPORT["case5_serve"] = {"returned": len(outs), "empty": sum(1 for t, _ in outs if not t),
+                             "prompt_tokens": [u["prompt_tokens"] for _, u in outs]}
+    e2e.save("pcp_e2e", REPORT)
+    assert len(outs) == 64 and all(t for t, _ in outs)

@@ -1,0 +1,182 @@
+"""Properties of the per-step PCP plan over many small random cases (pure host code)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from qwen36_pcp.plan import PCPConfig, PCPPlan, block_owner
+
+
+def random_batches(seed, count):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        num_reqs = int(rng.integers(1, 6))
+        num_new = rng.integers(1, 40, size=num_reqs)
+        decode = rng.random(num_reqs) < 0.3
+        num_new[decode] = 1
+        num_computed = np.where(rng.random(num_reqs) < 0.5, rng.integers(0, 50, size=num_reqs), 0)
+        yield num_computed, num_new
+
+
+CASES = [
+    (n, layout, min_split)
+    for n in (2, 3, 4)
+    for layout in ("zigzag", "contiguous")
+    for min_split in (1, 5)
+]
+
+
+@pytest.mark.parametrize("world_size,layout,min_split", CASES)
+def test_plan_properties(world_size, layout, min_split):
+    cfg = PCPConfig(layout=layout, min_split_tokens=min_split)
+    for num_computed, num_new in random_batches(world_size * 7 + min_split, 60):
+        plans = [PCPPlan(num_computed, num_new, world_size, r, cfg) for r in range(world_size)]
+        p0 = plans[0]
+        # identical on every rank (no collective needed)
+        for p in plans[1:]:
+            assert np.array_equal(p.local_full_idx, p0.local_full_idx)
+            assert p.segments == p0.segments and p.t_pad == p0.t_pad
+        # every new token owned (primary) by exactly one rank; replicated tokens on every rank
+        owners = np.zeros(p0.num_tokens, dtype=int)
+        copies = np.zeros(p0.num_tokens, dtype=int)
+        for r in range(world_size):
+            rows = p0.local_full_idx[r]
+            valid = rows >= 0
+            np.add.at(copies, rows[valid], 1)
+            np.add.at(owners, rows[valid & p0.primary[r]], 1)
+        assert (owners == 1).all()
+        for i in range(p0.num_reqs):
+            seg = slice(p0.req_start[i], p0.req_start[i + 1])
+            expected = 1 if p0.split[i] else world_size
+            assert (copies[seg] == expected).all()
+        # splitting rule: requests shorter than the threshold (and decode rows) are replicated
+        threshold = max(min_split, cfg.num_blocks(world_size))
+        assert np.array_equal(p0.split, num_new >= threshold)
+        assert not p0.split[num_new == 1].any()
+        # equal padded token count, and nothing wasted beyond the largest rank
+        counts = p0.tokens_per_rank()
+        assert p0.t_pad == max(1, counts.max())
+        # segments tile each split request in order, blocks go to the right owners
+        for i in p0.split_reqs:
+            segs = sorted(
+                (s for r in range(world_size) for s in p0.segments[r] if s.req == i),
+                key=lambda s: s.start,
+            )
+            assert [s.block for s in segs] == list(range(cfg.num_blocks(world_size)))
+            assert segs[0].start == 0 and segs[-1].end == num_new[i]
+            assert all(a.end == b.start and a.length >= 1 for a, b in zip(segs, segs[1:]))
+            for r in range(world_size):
+                for s in p0.segments[r]:
+                    if s.req == i:
+                        assert block_owner(s.block, world_size, layout) == r
+        # last token owner: the rank with the primary copy of the last new token
+        owner = p0.last_token_owner()
+        for i in range(p0.num_reqs):
+            last = p0.req_start[i + 1] - 1
+            r = int(np.argwhere((p0.local_full_idx == last) & p0.primary)[0][0])
+            assert owner[i] == r
+            if p0.split[i]:
+                assert owner[i] == (0 if layout == "zigzag" else world_size - 1)
+        # attention virtual sequences: query i of a segment sees keys [0, c + start + i]
+        for r in range(world_size):
+            cu, used, reqs = p0.attention_vseqs(r)
+            for j, s in enumerate(p0.segments[r]):
+                assert cu[j + 1] - cu[j] == s.length
+                assert used[j] == num_computed[s.req] + s.end and reqs[j] == s.req
+        # gathered rows: each full token written exactly once
+        g = p0.gathered_full_idx()
+        assert np.array_equal(np.sort(g[g >= 0]), np.arange(p0.num_tokens))
+        assert np.array_equal(g[p0.gathered_of_full], np.arange(p0.num_tokens))
+
+
+def test_zigzag_balances_causal_work():
+    """With equal blocks zigzag gives every rank the same causal attention work; contiguous does not."""
+    for world_size, n in itertools.product((2, 3, 4), (64, 640, 6400)):
+        work = {}
+        for layout in ("zigzag", "contiguous"):
+            plan = PCPPlan([0], [n], world_size, 0, PCPConfig(layout=layout, min_split_tokens=1))
+            per_rank = []
+            for r in range(world_size):
+                _, used, _ = plan.attention_vseqs(r)
+                cu, _, _ = plan.attention_vseqs(r)
+                lens = np.diff(cu)
+                # query q of a segment of length L ending at e sees e - L + q + 1 keys
+                per_rank.append(sum(int(L * (e - L) + L * (L + 1) // 2) for L, e in zip(lens, used)))
+            work[layout] = np.array(per_rank)
+        total = n * (n + 1) // 2
+        assert work["zigzag"].sum() == work["contiguous"].sum() == total
+        zz = work["zigzag"]
+        assert zz.max() / zz.min() < 1 + 8 * world_size / n  # equal up to rounding of block sizes
+        cont = work["contiguous"]
+        assert cont.max() / cont.min() > 2  # the last rank does (2N-1)x the first's work
+
+
+def test_short_prompts_and_decodes_not_split():
+    for world_size in (2, 4):
+        cfg = PCPConfig(min_split_tokens=1)
+        for n in range(1, 2 * world_size):
+            plan = PCPPlan([0, 7], [n, 1], world_size, 0, cfg)
+            assert not plan.splits_any
+            assert plan.t_pad == n + 1
+            assert (plan.last_token_owner() == 0).all()
+        plan = PCPPlan([0, 7], [2 * world_size, 1], world_size, 1, cfg)
+        assert plan.splits_any and plan.t_pad == 2 + 1
+
+
+def test_step_splits_matches_plan():
+    cfg = PCPConfig(min_split_tokens=8)
+    for num_computed, num_new in random_batches(3, 50):
+        for world_size in (1, 2, 4):
+            plan = PCPPlan(num_computed, num_new, world_size, 0, cfg)
+            assert cfg.step_splits(num_new, world_size) == plan.splits_any
+
+
+def test_conv_sources_point_at_the_previous_inputs():
+    """Every halo / final-state entry refers to exactly the input at position p-1, p-2, ... of its request."""
+    width = 4
+    for world_size, layout in itertools.product((2, 3, 4), ("zigzag", "contiguous")):
+        cfg = PCPConfig(layout=layout, min_split_tokens=1)
+        for num_computed, num_new in random_batches(11 + world_size, 40):
+            plan = PCPPlan(num_computed, num_new, world_size, 0, cfg)
+            w1 = width - 1
+            num_segs = len(plan.segments[0])
+            # what each index-space row holds: ("new", req, pos) / ("cached", req, k) / zero
+            rows = {}
+            for r in range(world_size):
+                tails = plan.tail_rows(width, r)
+                for j in range(num_segs):
+                    for w in range(w1):
+                        full = plan.local_full_idx[r, tails[j, w]]
+                        req = int(np.searchsorted(plan.req_start, full, side="right") - 1) if full >= 0 else -1
+                        rows[(r * num_segs + j) * w1 + w] = ("new", req, int(full - plan.req_start[req]) if full >= 0 else None)
+            for i in range(plan.num_reqs):
+                for w in range(w1):
+                    rows[world_size * num_segs * w1 + i * w1 + w] = ("cached", i, w - w1)
+            zero = world_size * num_segs * w1 + plan.num_reqs * w1
+
+            def expect(i, p):
+                if p >= 0:
+                    return ("new", i, p)
+                return ("cached", i, p) if num_computed[i] > 0 else "zero"
+
+            for r in range(world_size):
+                halo, final = plan.conv_sources(width, r)
+                for j, s in enumerate(plan.segments[r]):
+                    for w in range(w1):
+                        got = "zero" if halo[j, w] == zero else rows[halo[j, w]]
+                        assert got == expect(s.req, s.start - w1 + w)
+                for i in range(plan.num_reqs):
+                    for w in range(w1):
+                        got = "zero" if final[i, w] == zero else rows[final[i, w]]
+                        assert got == expect(i, int(num_new[i]) - w1 + w)
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="layout"):
+        PCPConfig(layout="ring")
+    with pytest.raises(ValueError, match="gdn_mode"):
+        PCPConfig(gdn_mode="relay")
+    with pytest.raises(ValueError, match="unknown option"):
+        PCPConfig.from_additional_config({"qwen36_pcp": {"layuot": "zigzag"}})
+    assert PCPConfig.from_additional_config(None) == PCPConfig()

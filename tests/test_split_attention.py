@@ -1,0 +1,77 @@
+"""Split full attention on 2 and 4 gloo ranks == causal attention over the whole sequence."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen36_pcp.layers.context import PCPContext
+from qwen36_pcp.layers.split_attention import split_attention_reference
+from qwen36_pcp.plan import PCPConfig, PCPPlan
+
+from qwen36_pcp.tools.dist import run_distributed
+from .layer_cases import BATCHES, kv_layout
+
+H, KVH, D, BS = 4, 2, 16, 8
+
+
+def make_case(seed, num_computed, num_new):
+    g = torch.Generator().manual_seed(seed)
+    ctx_kv = [(torch.randn(c, KVH, D, generator=g), torch.randn(c, KVH, D, generator=g)) for c in num_computed]
+    T = int(sum(num_new))
+    q, k, v = (torch.randn(T, n, D, generator=g) for n in (H, KVH, KVH))
+    return ctx_kv, q, k, v
+
+
+def reference(ctx_kv, q, k, v, num_computed, num_new, scale):
+    out, start = [], 0
+    for (ck, cv), c, n in zip(ctx_kv, num_computed, num_new):
+        kk = torch.cat([ck, k[start : start + n]]).repeat_interleave(H // KVH, 1)
+        vv = torch.cat([cv, v[start : start + n]]).repeat_interleave(H // KVH, 1)
+        mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None]
+        o = F.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
+            attn_mask=mask, scale=scale,
+        )
+        out.append(o.transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+def _worker(rank, group, layouts):
+    scale = D**-0.5
+    worst = 0.0
+    for (num_computed, num_new), layout in [(b, lay) for b in BATCHES for lay in layouts]:
+        seed = sum(num_new) * 31 + len(num_new)
+        ctx_kv, q, k, v = make_case(seed, num_computed, num_new)
+        block_table, slot_mapping, num_blocks = kv_layout(num_computed, num_new, BS)
+        key_cache = torch.zeros(num_blocks, BS, KVH, D)
+        value_cache = torch.zeros(num_blocks, BS, KVH, D)
+        for i, (ck, cv) in enumerate(ctx_kv):  # context written earlier
+            pos = torch.arange(len(ck))
+            blk = block_table[i, pos // BS].long()
+            key_cache[blk, pos % BS] = ck
+            value_cache[blk, pos % BS] = cv
+        plan = PCPPlan(num_computed, num_new, group.world_size, rank,
+                       PCPConfig(layout=layout, min_split_tokens=4))
+        ctx = PCPContext(plan, group, "cpu")
+        rows = torch.from_numpy(plan.local_full_idx[rank])
+        local = lambda x: x[rows.clamp(min=0)]  # noqa: E731
+        out = split_attention_reference(ctx, local(q), local(k), local(v), key_cache, value_cache,
+                                        slot_mapping, block_table, scale)
+        ref = reference(ctx_kv, q, k, v, num_computed, num_new, scale)
+        T = plan.num_local_tokens
+        torch.testing.assert_close(out[:T], ref[rows[:T]], rtol=1e-5, atol=1e-5)
+        assert (out[T:] == 0).all()
+        # every rank's cache now holds all new K/V (replicated KV cache)
+        flat_k = key_cache.view(-1, KVH, D)
+        torch.testing.assert_close(flat_k[slot_mapping], k, rtol=0, atol=0)
+        torch.testing.assert_close(value_cache.view(-1, KVH, D)[slot_mapping], v, rtol=0, atol=0)
+        worst = max(worst, (out[:T] - ref[rows[:T]]).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_attention_matches_full_sequence(world_size):
+    errors = run_distributed(_worker, world_size, ("zigzag", "contiguous"))
+    assert max(errors) < 1e-5
