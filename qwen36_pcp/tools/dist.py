@@ -95,3 +95,27 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend:
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def _isolated(fn, args, queue):
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+def run_isolated(fn, *args, timeout: float = 600.0):
+    """Run ``fn(*args)`` in a fresh spawned process (process-global vLLM state stays out of pytest)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_isolated, args=(fn, args, queue), daemon=True)
+    proc.start()
+    try:
+        status, payload = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    if status == "error":
+        raise AssertionError(f"isolated run failed:\n{payload}")
+    return payload

@@ -1,0 +1,234 @@
+"""The plugin against vLLM 0.20.2's real classes on the CPU: registration, config resolution, startup
+checks, the replicated-KV guards (lifted only for our model at pcp > 1), weight mapping, and the plan
+the runner hook builds from a step's inputs."""
+
+import importlib.metadata
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from qwen36_pcp.tools.dist import run_isolated
+
+ARCH = "Qwen3_6ForCausalLM"
+OVERRIDES = {"architectures": [ARCH]}
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+
+    return str(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0))
+
+
+def test_entry_point_declared():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.value == "qwen36_pcp:register" for ep in eps)
+
+
+# ---------------------------------------------------------------------------- config checks
+def _configs(ckpt):
+    from qwen36_pcp.tools.fake_cuda import engine_config, use_fake_cuda
+
+    use_fake_cuda()
+    import qwen36_pcp
+    from vllm import ModelRegistry
+
+    qwen36_pcp.register()
+    qwen36_pcp.register()  # idempotent
+    out = {"registered": ARCH in ModelRegistry.get_supported_archs()}
+    cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
+    out["arch"] = cfg.model_config.architecture
+    out["is_hybrid"] = cfg.model_config.is_hybrid
+    out["world_size"] = cfg.parallel_config.world_size
+    out["mamba_ssm_dtype"] = str(cfg.cache_config.mamba_ssm_cache_dtype)
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    out["model_cls"] = get_model_architecture(cfg.model_config)[0].__name__
+    bad = {
+        "dcp": dict(decode_context_parallel_size=2, tensor_parallel_size=2),
+        "attention_backend": dict(attention_backend="TRITON_ATTN"),
+        "fp8_kv": dict(kv_cache_dtype="fp8"),
+        "unknown_option": dict(additional_config={"qwen36_pcp": {"layuot": "zigzag"}}),
+        "bad_layout": dict(additional_config={"qwen36_pcp": {"layout": "ring"}}),
+        "spec_decode": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+        "non_hybrid": dict(hf_overrides={**OVERRIDES, "text_config": {
+            "layer_types": ["full_attention"] * 8}}),
+    }
+    out["errors"] = {}
+    for name, kw in bad.items():
+        kw = {"hf_overrides": OVERRIDES, "prefill_context_parallel_size": 2, **kw}
+        try:
+            engine_config(ckpt, **kw)
+            out["errors"][name] = None
+        except Exception as e:  # noqa: BLE001 - we want the message
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+    # the same options are fine at pcp == 1 (nothing of ours applies)
+    engine_config(ckpt, hf_overrides=OVERRIDES, attention_backend="TRITON_ATTN")
+    return out
+
+
+def test_config_resolution_and_startup_errors(tiny_ckpt):
+    out = run_isolated(_configs, tiny_ckpt)
+    assert out["registered"] and out["arch"] == ARCH and out["model_cls"] == ARCH
+    assert out["is_hybrid"] and out["world_size"] == 2 and out["mamba_ssm_dtype"] == "float32"
+    for name, msg in out["errors"].items():
+        assert msg is not None, f"{name} was accepted"
+        assert "qwen36_pcp" in msg, (name, msg)
+    assert "decode context parallel" in out["errors"]["dcp"]
+    assert "TRITON_ATTN" in out["errors"]["attention_backend"]
+    assert "speculative" in out["errors"]["spec_decode"]
+    assert "non-hybrid" in out["errors"]["non_hybrid"]
+    assert "layuot" in out["errors"]["unknown_option"]
+
+
+# ------------------------------------------------------------------------------- KV guards
+def _kv_guards(ckpt):
+    from qwen36_pcp.tools.fake_cuda import engine_config, use_fake_cuda
+
+    use_fake_cuda()
+    import qwen36_pcp
+    import torch
+
+    qwen36_pcp.register()
+    import vllm.v1.engine.core as core
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    def kv_config(cfg):
+        bs = cfg.cache_config.block_size
+        attn = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=256, dtype=torch.bfloat16)
+        mamba = MambaSpec(block_size=bs, shapes=((3, 1536), (8, 128, 128)),
+                          dtypes=(torch.bfloat16, torch.float32), mamba_type="gdn_attention",
+                          mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
+        groups = [KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attn)] + [
+            KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], mamba) for i in (0, 1, 2)]
+        return KVCacheConfig(num_blocks=64, kv_cache_tensors=[KVCacheTensor(size=1 << 20,
+                             shared_by=["x"])], kv_cache_groups=groups)
+
+    out = {}
+    for name, arch_kw in (("ours", {"hf_overrides": OVERRIDES}), ("stock", {})):
+        for pcp in (1, 2):
+            for caching in (False, True):
+                key = f"{name}_pcp{pcp}_{'cache' if caching else 'nocache'}"
+                try:
+                    cfg = engine_config(ckpt, prefill_context_parallel_size=pcp,
+                                        enable_prefix_caching=caching, **arch_kw)
+                except Exception as e:  # noqa: BLE001
+                    out[key] = {"config_error": str(e)}
+                    continue
+                kvc = kv_config(cfg)
+                cfg.cache_config.num_gpu_blocks = kvc.num_blocks
+                res = {"max_mem": FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=256,
+                                                    dtype=torch.bfloat16).max_memory_usage_bytes(cfg)}
+                try:
+                    res["block_sizes"] = list(core.resolve_kv_cache_block_sizes(kvc, cfg))
+                    sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc,
+                                      structured_output_manager=StructuredOutputManager(cfg),
+                                      block_size=res["block_sizes"][0],
+                                      hash_block_size=res["block_sizes"][1])
+                    res["coordinator"] = type(sched.kv_cache_manager.coordinator).__name__
+                    res["manager_block_sizes"] = [m.block_size for m in
+                                                  sched.kv_cache_manager.coordinator.single_type_managers]
+                    res["scheduler_sees_pcp"] = sched.parallel_config.prefill_context_parallel_size
+                except Exception as e:  # noqa: BLE001
+                    import traceback
+                    res["error"] = f"{type(e).__name__}: {e}"
+                    res["tb"] = traceback.format_exc()[-1500:]
+                out[key] = res
+    return out
+
+
+def test_replicated_kv_guards_only_for_our_model(tiny_ckpt):
+    out = run_isolated(_kv_guards, tiny_ckpt)
+    print(json.dumps(out, indent=1))
+    for caching in ("nocache", "cache"):
+        ours1, ours2 = out[f"ours_pcp1_{caching}"], out[f"ours_pcp2_{caching}"]
+        assert "error" not in ours2, ours2
+        # replicated KV: the same block accounting and memory sizing as pcp == 1
+        assert ours2["block_sizes"] == ours1["block_sizes"]
+        assert ours2["manager_block_sizes"] == ours1["manager_block_sizes"]
+        assert ours2["max_mem"] == ours1["max_mem"]
+        assert ours2["scheduler_sees_pcp"] == 2  # the rest of the scheduler still sees the truth
+        # stock vLLM at pcp=2 is untouched: it still rejects the hybrid KV layout
+        stock2 = out[f"stock_pcp2_{caching}"]
+        assert "error" in stock2 and "context parallel" in stock2["error"], stock2
+        assert stock2["max_mem"] * 2 == out[f"stock_pcp1_{caching}"]["max_mem"]
+    assert out["ours_pcp2_cache"]["coordinator"] == "HybridKVCacheCoordinator"
+
+
+# ------------------------------------------------------------------------------ the model
+def _model(ckpt, pcp):
+    from qwen36_pcp.tools.fake_cuda import build_model, engine_config, use_fake_cuda
+
+    use_fake_cuda()
+    import qwen36_pcp
+
+    qwen36_pcp.register()
+    from safetensors import safe_open
+
+    from qwen36_pcp.model import SKIPPED_PREFIXES
+
+    cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=pcp)
+    model = build_model(cfg, port=29600 + pcp)
+    params = {n for n, _ in model.named_parameters()}
+    with safe_open(f"{ckpt}/model.safetensors", "pt") as f:
+        names = list(f.keys())
+        loaded = model.load_weights((n, f.get_tensor(n)) for n in names)
+    skipped = [n for n in names if n.startswith(SKIPPED_PREFIXES)]
+    return {
+        "params": sorted(params), "loaded": sorted(loaded), "num_tensors": len(names),
+        "skipped": len(skipped), "gdn": sorted({type(m).__name__ for m in model.modules()
+                                                if "DeltaNet" in type(m).__name__}),
+        "impls": sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl")}),
+        "mrope": model.get_mrope_input_positions(list(range(5)), [])[0].tolist(),
+    }
+
+
+@pytest.mark.parametrize("pcp", [1, 2])
+def test_model_builds_and_every_tensor_is_mapped_or_skipped(tiny_ckpt, pcp):
+    out = run_isolated(_model, tiny_ckpt, pcp)
+    assert out["loaded"] == out["params"], set(out["params"]) ^ set(out["loaded"])
+    assert out["skipped"] > 0  # the vision tower and MTP head are in the checkpoint and skipped
+    if pcp == 1:  # vLLM's own layers, untouched
+        assert out["gdn"] == ["GatedDeltaNetAttention"] and out["impls"] == ["FlashAttentionImpl"]
+    else:
+        assert out["gdn"] == ["PCPGatedDeltaNetAttention"] and out["impls"] == ["PCPFlashAttentionImpl"]
+    assert out["mrope"] == [list(range(5))] * 3
+
+
+# ------------------------------------------------------------------- the runner's step plan
+def test_runner_plan_from_step_inputs():
+    """The hook builds the plan from what the runner holds after _prepare_inputs (same on all ranks)."""
+    from qwen36_pcp.plan import PCPConfig
+    from qwen36_pcp.runner_hooks import RunnerPCPState
+
+    num_computed = np.array([0, 17, 40, 0], dtype=np.int32)
+    num_new = np.array([1, 1, 3000, 700], dtype=np.int32)  # decodes first, like vLLM's reorder
+    qsl = np.zeros(16, dtype=np.int32)
+    qsl[1:5] = np.cumsum(num_new)
+    qsl[5:] = qsl[4]
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=4, num_computed_tokens_cpu=np.pad(num_computed, (0, 12))),
+        query_start_loc=SimpleNamespace(np=qsl),
+    )
+    plans = []
+    for rank in (0, 1):
+        state = object.__new__(RunnerPCPState)
+        state.config, state.world_size, state.rank = PCPConfig(), 2, rank
+        plans.append(state.plan(runner, num_tokens_padded=3712))
+    assert plans[0].split.tolist() == [False, False, True, True]
+    assert plans[0].t_pad == plans[1].t_pad == 2 + 1850
+    assert plans[0].num_tokens_padded == 3712
+    assert np.array_equal(plans[0].local_full_idx, plans[1].local_full_idx)
+    state.config = PCPConfig(min_split_tokens=100000)
+    assert state.plan(runner, 3712) is None  # nothing to split: the step runs unsplit
