@@ -59,6 +59,7 @@ def run_engine(spec: dict) -> dict:
                         logprobs=spec.get("logprobs", 5))
     result = {"startup_s": startup, "runs": []}
     for batch in spec.get("batches", [spec.get("prompts", [])]):
+        batch = [batch] if batch and isinstance(batch[0], int) else batch
         t1 = time.time()
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
         result["runs"].append({"outputs": _outputs(res), "seconds": time.time() - t1})
@@ -164,7 +165,7 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
 def save(name: str, data) -> None:
     (out_dir() / f"{name}.json").write_text(json.dumps(data, indent=1))
 
-def engine(spec: dict, timeout: float = 420, name: str = "engine") -> dict:
+def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | None = None) -> dict:
     """Run one engine spec in a child process; raises with the log tail if it fails or hangs."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
@@ -173,9 +174,12 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine") -> dict:
         with open(log_path, "w") as log:
             t0 = time.time()
             try:
+                env = dict(os.environ)
+                if gpus is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = gpus
                 proc = subprocess.run([sys.executable, "-m", "tests.gpu.e2e", "engine", str(spec_path),
                                        str(out_path)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=timeout)
+                                      timeout=timeout, env=env)
             except subprocess.TimeoutExpired as e:
                 raise AssertionError(f"{name}: no answer within {timeout} s (stall)\n"
                                      + log_path.read_text()[-4000:]) from e
@@ -183,6 +187,7 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine") -> dict:
             raise AssertionError(f"{name}: exit code {proc.returncode}\n" + log_path.read_text()[-6000:])
         result = json.loads(out_path.read_text())
         result["wall_s"] = time.time() - t0
+        save(name, result)
         return result
 
 

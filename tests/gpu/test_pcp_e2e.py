@@ -56,13 +56,13 @@ def _run_all(case, spec_of, timeout=480):
 
 
 def test_unequal_batch_max_tokens_one_abort_and_shutdown():
-    """Case 1 (6 prompts of unequal lengths, CUDA graphs on) + case 4 (max_tokens=1, abort, shutdown)."""
+    """Case 1 (6 prompts of unequal lengths) + case 4 (max_tokens=1, abort mid-prefill, shutdown)."""
     ckpt = e2e.checkpoint("tiny")
     vocab = _vocab(ckpt)
     prompts = e2e.prompt_ids((1, 3, 1000, 4097, 20000, 65536), vocab, seed=2)
 
     def spec(name):
-        s = {"llm": e2e.base_llm_kwargs(ckpt), "prompts": prompts}
+        s = {"llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True), "prompts": prompts}
         if name == "pcp2":
             s["actions"] = ["max_tokens_one", "abort_mid_prefill"]
             s["abort_prompt"] = e2e.prompt_ids((30000,), vocab, seed=3)[0]
@@ -81,31 +81,25 @@ def test_unequal_batch_max_tokens_one_abort_and_shutdown():
     assert pcp2["shutdown_s"] < 60
 
 
-def test_chunked_prefill():
-    """Case 2: max_num_batched_tokens=2048 on a 20000-token prompt (10 chunks, each a continuation)."""
-    ckpt = e2e.checkpoint("tiny")
-    prompts = e2e.prompt_ids((20000,), _vocab(ckpt), seed=4)
-    res = _run_all("case2_chunked", lambda name: {
-        "llm": e2e.base_llm_kwargs(ckpt, max_num_batched_tokens=2048, enforce_eager=True,
-                                   max_model_len=21000),
-        "prompts": prompts})
-    _judge("case2_chunked", {k: v["runs"][0]["outputs"] for k, v in res.items()})
-
-
-def test_prefix_caching():
-    """Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit."""
+def test_chunked_prefill_and_prefix_caching():
+    """Case 2: max_num_batched_tokens=2048 on a 20000-token prompt (10 chunks, each a continuation).
+    Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit.
+    One engine per parallel setting runs both (prefix caching on, 2048-token chunks)."""
     ckpt = e2e.checkpoint("tiny")
     vocab = _vocab(ckpt)
+    long_prompt = e2e.prompt_ids((20000,), vocab, seed=4)
     prefix = e2e.prompt_ids((20000,), vocab, seed=5)[0]
     a, b = e2e.prompt_ids((300, 700), vocab, seed=6)
-    res = _run_all("case3_prefix_cache", lambda name: {
-        "llm": e2e.base_llm_kwargs(ckpt, enable_prefix_caching=True, enforce_eager=True, max_model_len=21000),
-        "batches": [[prefix + a], [prefix + b]]})
-    runs = {k: v["runs"][0]["outputs"] + v["runs"][1]["outputs"] for k, v in res.items()}
-    cached = {k: v["runs"][1]["outputs"][0]["num_cached_tokens"] for k, v in res.items()}
+    res = _run_all("case2_3", lambda name: {
+        "llm": e2e.base_llm_kwargs(ckpt, max_num_batched_tokens=2048, enable_prefix_caching=True,
+                                   enforce_eager=True, max_model_len=21000),
+        "batches": [long_prompt, [prefix + a], [prefix + b]]})
+    _judge("case2_chunked_prefill", {k: v["runs"][0]["outputs"] for k, v in res.items()})
+    cached = {k: v["runs"][2]["outputs"][0]["num_cached_tokens"] for k, v in res.items()}
     REPORT["case3_cached_tokens_second_request"] = cached
     assert cached["pcp2"] >= 10000, cached  # the second request really hit the cache
-    _judge("case3_prefix_cache", runs)
+    _judge("case3_prefix_cache", {k: v["runs"][1]["outputs"] + v["runs"][2]["outputs"]
+                                  for k, v in res.items()})
 
 
 def test_serve_64_concurrent():
@@ -120,12 +114,17 @@ def test_serve_64_concurrent():
                                                     "temperature": 0, "ignore_eos": True})
             return r["choices"][0]["text"], r["usage"]
         with cf.ThreadPoolExecutor(64) as pool:
-            return list(pool.map(one, range(64)))
+            outs = list(pool.map(one, range(64)))
+        chat = e2e.post(f"{url}/v1/chat/completions", {
+            "model": ckpt, "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say something."}]})
+        return outs, chat
 
-    outs = e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
+    outs, chat = e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
                       "-pcp", "2", "--gdn-prefill-backend", "triton", "--max-model-len", "16384",
                       "--gpu-memory-utilization", "0.5"], requests, name="serve_pcp2")
     REPORT["case5_serve"] = {"returned": len(outs), "empty": sum(1 for t, _ in outs if not t),
-                             "prompt_tokens": [u["prompt_tokens"] for _, u in outs]}
+                             "prompt_tokens": [u["prompt_tokens"] for _, u in outs], "chat": chat}
     e2e.save("pcp_e2e", REPORT)
     assert len(outs) == 64 and all(t for t, _ in outs)
+    assert chat["usage"]["completion_tokens"] > 0, chat
