@@ -288,12 +288,15 @@ def gdn_full_reference(kernels, mixed_qkv, b, a, out, w: GDNWeights, conv_state,
     init_conv = conv_state.index_select(0, state_idx).to(mixed_qkv.dtype)
     init_conv = torch.where(has_init[:, None, None], init_conv, 0)
     cu = cu_cpu.to(mixed_qkv.device)
-    y = kernels.conv(mixed_qkv, w.conv_weight, w.conv_bias, init_conv, cu, cu_cpu, w.activation)
     width = w.conv_weight.shape[1]
     bounds = cu_cpu.tolist()
-    for i in range(len(bounds) - 1):
-        seq = torch.cat([init_conv[i].transpose(0, 1), mixed_qkv[bounds[i] : bounds[i + 1]]], 0)
-        conv_state[state_idx[i]] = seq[-(width - 1) :].transpose(0, 1).to(conv_state.dtype)
+    new_conv = [  # before the conv kernel, which writes its final states into init_conv
+        torch.cat([init_conv[i].transpose(0, 1), mixed_qkv[bounds[i] : bounds[i + 1]]], 0)[-(width - 1) :]
+        for i in range(len(bounds) - 1)
+    ]
+    y = kernels.conv(mixed_qkv, w.conv_weight, w.conv_bias, init_conv.clone(), cu, cu_cpu, w.activation)
+    for i, state in enumerate(new_conv):
+        conv_state[state_idx[i]] = state.transpose(0, 1).to(conv_state.dtype)
     q, k, v, g, beta = kernels.prep(y, a, b, w)
     init = ssm_state.index_select(0, state_idx).float()
     init = torch.where(has_init[:, None, None, None], init, 0.0)
