@@ -50,7 +50,10 @@ class TorchGDNKernels:
 
     @staticmethod
     def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu"):
-        """x [T, D]; init_states [S, D, W-1] (the W-1 inputs before each segment) -> [T, D]."""
+        """x [T, D]; init_states [S, D, W-1] (the W-1 inputs before each segment) -> [T, D].
+
+        The GPU kernel overwrites init_states with each segment's final state: pass scratch.
+        """
         out = torch.empty_like(x)
         bounds = cu_cpu.tolist()
         w = weight.float()
@@ -197,11 +200,12 @@ def conv_with_halo(ctx: PCPContext, kernels, mixed_qkv, w: GDNWeights, conv_stat
     tails = ctx.all_gather(mixed_qkv.index_select(0, tail_rows.reshape(-1)))  # [N*S*w1, D]
     cached = conv_state.index_select(0, state_idx).transpose(1, 2).reshape(-1, D)  # [R*w1, D]
     table = torch.cat([tails, cached.to(tails.dtype), tails.new_zeros(1, D)], 0)
-    halo = table.index_select(0, halo_idx.reshape(-1)).view(-1, w1, D).transpose(1, 2).contiguous()
+    # [S, W-1, D] storage viewed as [S, D, W-1]: the layout of vLLM's default ("SD") conv-state cache
+    halo = table.index_select(0, halo_idx.reshape(-1)).view(-1, w1, D).to(mixed_qkv.dtype)
     new_state = table.index_select(0, final_idx.reshape(-1)).view(-1, w1, D).transpose(1, 2)
     conv_state[state_idx] = new_state.to(conv_state.dtype)
     return kernels.conv(
-        mixed_qkv[:T], w.conv_weight, w.conv_bias, halo.to(mixed_qkv.dtype), ctx.t.cu_q,
+        mixed_qkv[:T], w.conv_weight, w.conv_bias, halo.transpose(1, 2), ctx.t.cu_q,
         ctx.t.cu_q_cpu, w.activation,
     )
 
@@ -286,7 +290,7 @@ def gdn_full_reference(kernels, mixed_qkv, b, a, out, w: GDNWeights, conv_state,
     """
     has_init = torch.tensor([int(c) > 0 for c in num_computed], device=mixed_qkv.device)
     init_conv = conv_state.index_select(0, state_idx).to(mixed_qkv.dtype)
-    init_conv = torch.where(has_init[:, None, None], init_conv, 0)
+    init_conv = torch.where(has_init[:, None, None], init_conv, 0)  # [R, D, W-1]
     cu = cu_cpu.to(mixed_qkv.device)
     width = w.conv_weight.shape[1]
     bounds = cu_cpu.tolist()
@@ -294,7 +298,8 @@ def gdn_full_reference(kernels, mixed_qkv, b, a, out, w: GDNWeights, conv_state,
         torch.cat([init_conv[i].transpose(0, 1), mixed_qkv[bounds[i] : bounds[i + 1]]], 0)[-(width - 1) :]
         for i in range(len(bounds) - 1)
     ]
-    y = kernels.conv(mixed_qkv, w.conv_weight, w.conv_bias, init_conv.clone(), cu, cu_cpu, w.activation)
+    scratch = init_conv.transpose(1, 2).contiguous().transpose(1, 2)  # SD layout, like vLLM's cache
+    y = kernels.conv(mixed_qkv, w.conv_weight, w.conv_bias, scratch, cu, cu_cpu, w.activation)
     for i, state in enumerate(new_conv):
         conv_state[state_idx[i]] = state.transpose(0, 1).to(conv_state.dtype)
     q, k, v, g, beta = kernels.prep(y, a, b, w)

@@ -13,7 +13,11 @@ has = torch.tensor([c > 0 for c in num_computed], device=dev)
 nan = lambda x: int(torch.isnan(x.float()).sum())  # noqa: E731
 for it in range(3):
     init_conv = torch.where(has[:, None, None], inp["conv_state"][inp["state_idx"]], 0).to(torch.bfloat16)
-    y = K.conv(inp["mixed_qkv"], w.conv_weight, w.conv_bias, init_conv.clone(), cu, cu_cpu)
+    scratch = init_conv.transpose(1, 2).contiguous().transpose(1, 2)
+    y0 = K.conv(inp["mixed_qkv"], w.conv_weight, w.conv_bias, init_conv.clone(), cu, cu_cpu)  # DS-strided scratch
+    print(it, "nan y (DS scratch)", nan(y0), flush=True)
+    y = K.conv(inp["mixed_qkv"], w.conv_weight, w.conv_bias, scratch, cu, cu_cpu)  # SD-strided scratch
+    print(it, "nan y (SD scratch)", nan(y), flush=True)
     q, k, v, g, beta = K.prep(y, inp["a"], inp["b"], w)
     init = torch.where(has[:, None, None, None], inp["ssm_state"][inp["state_idx"]], 0.0)
     o, fin = K.chunk(q, k, v, g, beta, init, cu, cu_cpu)
