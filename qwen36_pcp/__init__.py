@@ -5,17 +5,42 @@ from __future__ import annotations
 import logging
 
 __version__ = "0.1.0"
-ARCHITECTURE = "Qwen3_6ForCausalLM"
+SUPPORTED_VLLM_VERSION = "0.20.2"
 _MODEL_REF = "qwen36_pcp.model.qwen3_6:Qwen3_6ForCausalLM"
 
 logger = logging.getLogger("qwen36_pcp")
+_warned = False
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def version_supported() -> bool:
+    return vllm_version().split("+")[0] == SUPPORTED_VLLM_VERSION
 
 
 def register() -> None:
-    """vLLM calls this in every process it starts (API server, engine core, workers). Idempotent."""
+    """vLLM calls this in every process it starts (API server, engine core, workers). Idempotent.
+
+    On a vLLM other than 0.20.2 it logs one line and changes nothing (the hooks touch 0.20.2 internals).
+    """
+    global _warned
+    if not version_supported():
+        if not _warned:
+            logger.warning("qwen36_pcp: written for vLLM %s, found %s; plugin not loaded.",
+                           SUPPORTED_VLLM_VERSION, vllm_version())
+            _warned = True
+        return
     from vllm import ModelRegistry
 
     from . import runner_hooks
+    from .model.qwen3_6 import ARCHITECTURE
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, _MODEL_REF)

@@ -1,7 +1,7 @@
 """Every place where qwen36_pcp touches vLLM internals. Written for vLLM 0.20.2.
 
 Each hook is named after what it fixes, is installed at most once per process (``install`` is
-idempotent), and acts only when the running model is ``Qwen3_6ForCausalLM`` with
+idempotent; ``qwen36_pcp.register`` installs them only on vLLM 0.20.2), and acts only when the running model is ``Qwen3_6ForCausalLM`` with
 prefill_context_parallel_size > 1; otherwise it calls vLLM's code unchanged.
 
 KV cache under PCP: vLLM 0.20.2 would SHARD the KV cache over PCP ranks (and rejects hybrid models).
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 
 import numpy as np
 import torch
@@ -28,23 +27,11 @@ import torch
 from .model.qwen3_6 import ARCHITECTURE
 from .plan import PCPConfig, PCPPlan
 
-logger = logging.getLogger("qwen36_pcp")
 
-SUPPORTED_VLLM_VERSION = "0.20.2"
 _PATCHED_MARK = "__qwen36_pcp_original__"
 _installed = False
 # Set in a worker process once its model runner serves our model with pcp > 1.
 _worker_kv_replicated = False
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
-
-
-def version_supported() -> bool:
-    return vllm_version().split("+")[0] == SUPPORTED_VLLM_VERSION
 
 
 def uses_pcp(vllm_config) -> bool:
@@ -345,19 +332,11 @@ def _same_sample_rows(runner, state: RunnerPCPState, hidden: torch.Tensor) -> to
 
 
 # ==================================================================================== install
-def install() -> bool:
-    """Install every hook (idempotent). Returns False, changing nothing, on another vLLM version."""
+def install() -> None:
+    """Install every hook (idempotent). ``register()`` calls it only on vLLM 0.20.2."""
     global _installed
     if _installed:
-        return True
-    if not version_supported():
-        logger.warning(
-            "qwen36_pcp: written for vLLM %s, found %s: prefill context parallel hooks not "
-            "installed (the model still registers; -pcp > 1 will be rejected by vLLM).",
-            SUPPORTED_VLLM_VERSION,
-            vllm_version(),
-        )
-        return False
+        return
     install_startup_checks()
     replicated_kv_block_sizes()
     replicated_kv_scheduler_accounting()
@@ -365,4 +344,3 @@ def install() -> bool:
     replicated_kv_block_tables()
     runner_split_steps()
     _installed = True
-    return True

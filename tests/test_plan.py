@@ -180,3 +180,15 @@ def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="unknown option"):
         PCPConfig.from_additional_config({"qwen36_pcp": {"layuot": "zigzag"}})
     assert PCPConfig.from_additional_config(None) == PCPConfig()
+
+
+def test_register_does_nothing_on_another_vllm(monkeypatch, caplog):
+    import qwen36_pcp
+
+    monkeypatch.setattr(qwen36_pcp, "vllm_version", lambda: "0.21.0")
+    monkeypatch.setattr(qwen36_pcp, "_warned", False)
+    with caplog.at_level("WARNING", logger="qwen36_pcp"):
+        qwen36_pcp.register()
+        qwen36_pcp.register()
+    lines = [r for r in caplog.records if "0.21.0" in r.getMessage()]
+    assert len(lines) == 1 and "not loaded" in lines[0].getMessage()

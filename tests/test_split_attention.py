@@ -1,6 +1,5 @@
 """Split full attention on 2 and 4 gloo ranks == causal attention over the whole sequence."""
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F

@@ -2,7 +2,7 @@
 import torch
 
 from qwen36_pcp.layers.gdn_cp import VllmGDNKernels as K
-from qwen36_pcp.tools.layer_inputs import GDN, gdn_inputs
+from qwen36_pcp.tools.layer_inputs import gdn_inputs
 
 dev = torch.device("cuda", 0)
 num_computed, num_new = [0, 0, 1500, 40], [8192, 1, 3000, 7]
