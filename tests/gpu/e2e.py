@@ -191,6 +191,48 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
         return result
 
 
+def engines(jobs: dict, timeout: float = 480) -> dict:
+    """Run several engine specs, side by side on disjoint GPUs when the machine has enough.
+
+    jobs: {name: (spec, number of GPUs)}. Each job gets its own CUDA_VISIBLE_DEVICES set.
+    """
+    import threading
+
+    import torch
+
+    total = torch.cuda.device_count()
+    free = list(range(total))
+    cond = threading.Condition()
+    results, errors = {}, {}
+
+    def run(name, spec, n):
+        with cond:
+            cond.wait_for(lambda: len(free) >= n)
+            gpus = [free.pop(0) for _ in range(n)]
+        try:
+            results[name] = engine(spec, timeout=timeout, name=name, gpus=",".join(map(str, gpus)))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[name] = e
+        finally:
+            with cond:
+                free.extend(gpus)
+                free.sort()
+                cond.notify_all()
+
+    threads = []
+    for name, (spec, n) in sorted(jobs.items(), key=lambda kv: -kv[1][1]):  # big jobs first
+        if n > total:
+            raise AssertionError(f"{name} needs {n} GPUs, the machine has {total}")
+        t = threading.Thread(target=run, args=(name, spec, n))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    if errors:
+        raise AssertionError("; ".join(f"{k}: {v}" for k, v in errors.items()))
+    return results
+
+
 def compare(ref: list[dict], other: list[dict], top: int = 5) -> dict:
     """vLLM's check_logprobs_close rule, plus the largest |logprob| difference over the shared prefix."""
     ok, max_diff, diverged = True, 0.0, []

@@ -3,8 +3,6 @@
     python -m pytest -q -s tests/gpu/test_model_parity.py
 """
 
-import concurrent.futures as cf
-
 import pytest
 import torch
 
@@ -24,11 +22,8 @@ def test_same_tokens_and_logprobs_as_vllm_qwen3_5():
     stock_kwargs["language_model_only"] = True
     specs = {"parity_ours": {"llm": e2e.base_llm_kwargs(ckpt, **common), "prompts": prompts},
              "parity_stock": {"llm": stock_kwargs, "prompts": prompts}}
-    # one GPU each; side by side when the machine has two
-    gpus = ["0", "1"] if torch.cuda.device_count() >= 2 else ["0", "0"]
-    with cf.ThreadPoolExecutor(2 if gpus[0] != gpus[1] else 1) as pool:
-        futs = {n: pool.submit(e2e.engine, s, name=n, gpus=g) for (n, s), g in zip(specs.items(), gpus)}
-        ours, stock = futs["parity_ours"].result(), futs["parity_stock"].result()
+    res = e2e.engines({n: (s, 1) for n, s in specs.items()})  # side by side on 2+ GPUs
+    ours, stock = res["parity_ours"], res["parity_stock"]
     a, b = ours["runs"][0]["outputs"], stock["runs"][0]["outputs"]
     cmp = e2e.compare(b, a)
     same_tokens = all(x["token_ids"] == y["token_ids"] for x, y in zip(a, b))

@@ -47,12 +47,14 @@ def _judge(case, runs):
 
 
 def _run_all(case, spec_of, timeout=480):
-    results = {}
+    """pcp1, pcp2 and tp2 engines for one case (concurrently when there are enough GPUs)."""
+    jobs = {}
     for name, par in PARALLEL.items():
         spec = spec_of(name)
         spec["llm"].update(par)
-        results[name] = e2e.engine(spec, timeout=timeout, name=f"{case}_{name}")
-    return results
+        jobs[f"{case}_{name}"] = (spec, par["tensor_parallel_size"] * par["prefill_context_parallel_size"])
+    res = e2e.engines(jobs, timeout=timeout)
+    return {name: res[f"{case}_{name}"] for name in PARALLEL}
 
 
 def test_unequal_batch_max_tokens_one_abort_and_shutdown():
