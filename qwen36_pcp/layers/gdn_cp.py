@@ -138,6 +138,8 @@ class VllmGDNKernels:
             cache_indices=torch.arange(num_segs, dtype=torch.int32, device=x.device),
             has_initial_state=torch.ones(num_segs, dtype=torch.bool, device=x.device),
             activation=activation,
+            # the scratch lines are 0..S-1; by default the kernel skips line 0 (vLLM's null block)
+            null_block_id=None,
             metadata=meta,
         ).transpose(0, 1)
 
