@@ -49,10 +49,11 @@ class TorchGDNKernels:
     """fp32 torch reference kernels (CPU), same contracts as ``VllmGDNKernels``."""
 
     @staticmethod
-    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu"):
+    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu", cache=None):
         """x [T, D]; init_states [S, D, W-1] (the W-1 inputs before each segment) -> [T, D].
 
         The GPU kernel overwrites init_states with each segment's final state: pass scratch.
+        ``cache``: a per-step dict where launch metadata computed from ``cu_cpu`` may be kept.
         """
         out = torch.empty_like(x)
         bounds = cu_cpu.tolist()
@@ -85,7 +86,7 @@ class TorchGDNKernels:
         return q, k, v, g, beta
 
     @staticmethod
-    def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None):
+    def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None, cache=None):
         """Sequential scan. q,k [T,H,K]; v [T,HV,V]; g,beta [T,HV]; init [S,HV,V,K] -> (o, final fp32)."""
         T, H, K = q.shape
         HV = v.shape[1]
@@ -118,25 +119,31 @@ class VllmGDNKernels:
     """
 
     @staticmethod
-    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu"):
+    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu", cache=None):
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
         from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
 
         num_segs = init_states.shape[0]
-        nums_dict, batch_ptr, token_chunk_offset_ptr = compute_causal_conv1d_metadata(
-            cu_cpu, device=x.device
-        )
-        meta = SimpleNamespace(
-            nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr
-        )
+        cache = {} if cache is None else cache
+        key = ("conv_meta", id(cu_cpu))
+        if key not in cache:  # host loops over the tokens: once per step, not once per layer
+            nums_dict, batch_ptr, token_chunk_offset_ptr = compute_causal_conv1d_metadata(
+                cu_cpu, device=x.device
+            )
+            cache[key] = SimpleNamespace(
+                nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr,
+                cache_indices=torch.arange(num_segs, dtype=torch.int32, device=x.device),
+                has_initial_state=torch.ones(num_segs, dtype=torch.bool, device=x.device),
+            )
+        meta = cache[key]
         return causal_conv1d_fn(
             x.transpose(0, 1),
             weight,
             bias,
             conv_states=init_states,
             query_start_loc=cu,
-            cache_indices=torch.arange(num_segs, dtype=torch.int32, device=x.device),
-            has_initial_state=torch.ones(num_segs, dtype=torch.bool, device=x.device),
+            cache_indices=meta.cache_indices,
+            has_initial_state=meta.has_initial_state,
             activation=activation,
             # the scratch lines are 0..S-1; by default the kernel skips line 0 (vLLM's null block)
             null_block_id=None,
@@ -161,7 +168,7 @@ class VllmGDNKernels:
         )
 
     @staticmethod
-    def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None):
+    def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None, cache=None):
         from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
         from vllm.model_executor.layers.fla.ops.index import (
             prepare_chunk_indices,
@@ -169,8 +176,14 @@ class VllmGDNKernels:
         )
         from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
 
-        chunk_indices = prepare_chunk_indices(cu_cpu, FLA_CHUNK_SIZE).to(q.device, non_blocking=True)
-        chunk_offsets = prepare_chunk_offsets(cu_cpu, FLA_CHUNK_SIZE).to(q.device, non_blocking=True)
+        cache = {} if cache is None else cache
+        key = ("chunk_meta", id(cu_cpu))
+        if key not in cache:
+            cache[key] = (
+                prepare_chunk_indices(cu_cpu, FLA_CHUNK_SIZE).to(q.device, non_blocking=True),
+                prepare_chunk_offsets(cu_cpu, FLA_CHUNK_SIZE).to(q.device, non_blocking=True),
+            )
+        chunk_indices, chunk_offsets = cache[key]
         o, final = chunk_gated_delta_rule(
             q=q[None],
             k=k[None],
@@ -208,7 +221,7 @@ def conv_with_halo(ctx: PCPContext, kernels, mixed_qkv, w: GDNWeights, conv_stat
     conv_state[state_idx] = new_state.to(conv_state.dtype)
     return kernels.conv(
         mixed_qkv[:T], w.conv_weight, w.conv_bias, halo.transpose(1, 2), ctx.t.cu_q,
-        ctx.t.cu_q_cpu, w.activation,
+        ctx.t.cu_q_cpu, w.activation, cache=ctx.t.extra,
     )
 
 
@@ -237,7 +250,7 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
     init[:, :, :V, :] = torch.where(idx["starts_from_cache"][:, None, None, None], cached, 0.0)
 
     v_aug = torch.cat([v, v.new_zeros(T, HV, K)], dim=-1)
-    o, final = kernels.chunk(q, k, v_aug, g, beta, init, ctx.t.cu_q, ctx.t.cu_q_cpu)
+    o, final = kernels.chunk(q, k, v_aug, g, beta, init, ctx.t.cu_q, ctx.t.cu_q_cpu, cache=ctx.t.extra)
 
     out = o[:, :, :V]
     if len(plan.split_reqs):  # every rank takes part in the gather, corrections or not
