@@ -207,9 +207,6 @@ class PCPPlan:
         last_full = self.req_start[1:] - 1
         return self.gathered_of_full[last_full] // self.t_pad
 
-    def seg_local_rows(self, r: int, j: int) -> tuple[int, int]:
-        return int(self.seg_offsets[r][j]), int(self.seg_offsets[r][j + 1])
-
     # -------------------------------------------------- attention (per rank)
     def attention_vseqs(self, r: int | None = None):
         """Virtual sequences of rank r: (cu_q, seqused_k, request) for end-aligned causal attention.

@@ -252,9 +252,8 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
     v_aug = torch.cat([v, v.new_zeros(T, HV, K)], dim=-1)
     o, final = kernels.chunk(q, k, v_aug, g, beta, init, ctx.t.cu_q, ctx.t.cu_q_cpu, cache=ctx.t.extra)
 
-    out = o[:, :, :V]
+    core_attn_out[:T] = o[:, :, :V]
     if len(plan.split_reqs):  # every rank takes part in the gather, corrections or not
-        out = out.float()
         summaries = ctx.all_gather(final.index_select(0, idx["split_slots"]))
         num_split = len(plan.split_reqs)
         chain = summaries.index_select(0, idx["chain"]).view(plan.num_blocks, num_split, HV, V + K, K)
@@ -265,16 +264,17 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
             x_end = x_end @ chain[blk, :, :, V:, :] + chain[blk, :, :, :V, :]
         x_in = torch.stack(x_in).view(-1, HV, V, K)
         cu = ctx.t.cu_q_cpu.tolist()
-        for j, row in idx["corrections"]:
+        for j, row in idx["corrections"]:  # o = o_local + X_in c_t, in fp32
             r0, r1 = cu[j], cu[j + 1]
-            out[r0:r1] += torch.einsum("thk,hvk->thv", o[r0:r1, :, V:].float(), x_in[row])
+            corrected = o[r0:r1, :, :V].float() + torch.einsum(
+                "thk,hvk->thv", o[r0:r1, :, V:].float(), x_in[row])
+            core_attn_out[r0:r1] = corrected.to(core_attn_out.dtype)
         ssm_state[state_idx.index_select(0, idx["split_reqs"])] = x_end.to(ssm_state.dtype)
     rep_slots = idx["replicated_slots"]
     if rep_slots.numel():
         ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = final.index_select(
             0, rep_slots
         )[:, :, :V, :].to(ssm_state.dtype)
-    core_attn_out[:T] = out.to(core_attn_out.dtype)
 
 
 # ---------------------------------------------------------------------------------- island
