@@ -1,0 +1,108 @@
+"""Time to first token vs prompt length: pcp=1, tp=2, pcp=2 (state passing), pcp=2 (island).
+
+Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no download), eager, the
+whole prompt in one prefill step. Needs 2 GPUs; prints a table and writes JSON + PNG:
+
+    python benchmarks/bench_ttft.py --out bench_results --tokens 32768 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "pcp1": dict(tensor_parallel_size=1, prefill_context_parallel_size=1),
+    "tp2": dict(tensor_parallel_size=2, prefill_context_parallel_size=1),
+    "pcp2_state_passing": dict(prefill_context_parallel_size=2,
+                               additional_config={"qwen36_pcp": {"gdn_mode": "state_passing"}}),
+    "pcp2_island": dict(prefill_context_parallel_size=2,
+                        additional_config={"qwen36_pcp": {"gdn_mode": "island"}}),
+}
+
+
+def child(model: str, config: str, tokens: list[int], reps: int) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    longest = max(tokens)
+    llm = LLM(model=model, load_format="dummy", hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
+              gdn_prefill_backend="triton", enforce_eager=True, max_model_len=longest + 16,
+              max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0, **CONFIGS[config])
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    out = {}
+    for n in tokens:
+        prompt = TokensPrompt(prompt_token_ids=[(i * 7919) % 200000 + 10 for i in range(n)])
+        llm.generate([prompt], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            llm.generate([prompt], sp, use_tqdm=False)
+            times.append(time.perf_counter() - t0)
+        out[n] = sorted(times)[len(times) // 2]
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    if args.child:
+        result = child(args.model, args.child[0], args.tokens, args.reps)
+        with open(args.child[1], "w") as f:
+            json.dump(result, f)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    model = args.model
+    if model is None:
+        from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+
+        model = str(make_checkpoint(os.path.join(args.out, "qwen3.6-35b-a3b"), preset="qwen3.6-35b-a3b"))
+    table = {}
+    for config in args.configs:  # one engine per process: clean GPU memory between configs
+        path = os.path.join(args.out, f"ttft_{config}.json")
+        cmd = [sys.executable, __file__, "--model", model, "--tokens", *map(str, args.tokens),
+               "--reps", str(args.reps), "--child", config, path]
+        with open(os.path.join(args.out, f"ttft_{config}.log"), "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        table[config] = json.load(open(path)) if rc == 0 else None
+    print("TTFT (s), Qwen3.6-35B-A3B shape, dummy weights, one prefill step, eager")
+    print(f"{'tokens':>8} | " + " | ".join(f"{c:>18}" for c in args.configs) + " | pcp2 SP / tp2")
+    for n in args.tokens:
+        row = [table[c][str(n)] if table[c] else float("nan") for c in args.configs]
+        ratio = (table.get("pcp2_state_passing") or {}).get(str(n), float("nan")) / \
+            ((table.get("tp2") or {}).get(str(n), float("nan")) or float("nan"))
+        print(f"{n:>8} | " + " | ".join(f"{t:>18.3f}" for t in row) + f" | {ratio:.2f}")
+    with open(os.path.join(args.out, "bench_ttft.json"), "w") as f:
+        json.dump(table, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for c in args.configs:
+            if table[c]:
+                ax.plot(args.tokens, [table[c][str(n)] for n in args.tokens], marker="o", label=c)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT (s)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_ttft.png"), dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()
