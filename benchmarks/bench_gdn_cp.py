@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from qwen36_pcp.tools.plot import save_figure
+
 HIDDEN = 2048
 TOKENS = (32768, 131072)
 
@@ -122,25 +124,16 @@ def main():
             t["island_MiB_sent_per_rank"])))
     with open(os.path.join(args.out, "bench_gdn_cp.json"), "w") as f:
         json.dump(table, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        xs = range(len(table))
-        for key, label in (("one_gpu_ms", "1 GPU"), ("pcp2_state_passing_ms", "pcp=2 state passing"),
-                           ("pcp2_island_ms", "pcp=2 island")):
-            ax.bar([x + 0.27 * ["one_gpu_ms", "pcp2_state_passing_ms", "pcp2_island_ms"].index(key) for x in xs],
-                   [t[key] for t in table], width=0.27, label=label)
-        ax.set_xticks([x + 0.27 for x in xs], [f"{t['tokens'] // 1024}k" for t in table])
+    def draw(ax):
+        series = (("one_gpu_ms", "1 GPU"), ("pcp2_state_passing_ms", "pcp=2 state passing"),
+                  ("pcp2_island_ms", "pcp=2 island"))
+        for i, (key, label) in enumerate(series):
+            ax.bar([x + 0.27 * i for x in range(len(table))], [t[key] for t in table], width=0.27,
+                   label=label)
+        ax.set_xticks([x + 0.27 for x in range(len(table))], [f"{t['tokens'] // 1024}k" for t in table])
         ax.set_ylabel("GDN layer time per rank (ms)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_gdn_cp.png"), dpi=120)
-    except ImportError:
-        print("matplotlib not installed: no plot")
+
+    save_figure(os.path.join(args.out, "bench_gdn_cp.png"), draw)
 
 
 if __name__ == "__main__":

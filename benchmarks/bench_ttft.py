@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from qwen36_pcp.tools.plot import save_figure
+
 CONFIGS = {
     "pcp1": dict(tensor_parallel_size=1, prefill_context_parallel_size=1),
     "tp2": dict(tensor_parallel_size=2, prefill_context_parallel_size=1),
@@ -84,24 +86,15 @@ def main():
         print(f"{n:>8} | " + " | ".join(f"{t:>18.3f}" for t in row) + f" | {ratio:.2f}")
     with open(os.path.join(args.out, "bench_ttft.json"), "w") as f:
         json.dump(table, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+    def draw(ax):
         for c in args.configs:
             if table[c]:
                 ax.plot(args.tokens, [table[c][str(n)] for n in args.tokens], marker="o", label=c)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("TTFT (s)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_ttft.png"), dpi=120)
-    except ImportError:
-        print("matplotlib not installed: no plot")
+
+    save_figure(os.path.join(args.out, "bench_ttft.png"), draw)
 
 
 if __name__ == "__main__":
