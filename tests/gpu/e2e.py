@@ -114,6 +114,11 @@ def checkpoint(preset: str = "tiny") -> str:
     return str(path)
 
 
+def vocab_size(ckpt: str) -> int:
+    cfg = json.loads((Path(ckpt) / "config.json").read_text())
+    return cfg.get("text_config", cfg)["vocab_size"]
+
+
 def out_dir() -> Path:
     d = Path(os.environ.get("OUT") or "/tmp/qwen36_pcp_gpu_results")
     d.mkdir(parents=True, exist_ok=True)
@@ -233,7 +238,7 @@ def engines(jobs: dict, timeout: float = 480) -> dict:
     return results
 
 
-def compare(ref: list[dict], other: list[dict], top: int = 5) -> dict:
+def compare(ref: list[dict], other: list[dict]) -> dict:
     """vLLM's check_logprobs_close rule, plus the largest |logprob| difference over the shared prefix."""
     ok, max_diff, diverged = True, 0.0, []
     for i, (a, b) in enumerate(zip(ref, other)):

@@ -15,7 +15,7 @@ LENGTHS = (17, 1000, 4097, 16384)
 
 def test_same_tokens_and_logprobs_as_vllm_qwen3_5():
     ckpt = e2e.checkpoint("tiny")
-    prompts = e2e.prompt_ids(LENGTHS, vocab=_vocab(ckpt), seed=1)
+    prompts = e2e.prompt_ids(LENGTHS, vocab=e2e.vocab_size(ckpt), seed=1)
     common = dict(max_model_len=17000, enforce_eager=True)
     stock_kwargs = e2e.base_llm_kwargs(ckpt, **common)
     stock_kwargs.pop("hf_overrides")
@@ -52,11 +52,3 @@ def test_serve_answers_completions_and_chat():
     assert comp["choices"][0]["text"], comp
     assert chat["choices"][0]["message"]["content"] is not None, chat
     assert chat["usage"]["completion_tokens"] > 0, chat
-
-
-def _vocab(ckpt):
-    import json
-    import os
-
-    cfg = json.load(open(os.path.join(ckpt, "config.json")))
-    return cfg.get("text_config", cfg)["vocab_size"]

@@ -24,14 +24,6 @@ PARALLEL = {
 REPORT = {}
 
 
-def _vocab(ckpt):
-    import json
-    import os
-
-    cfg = json.load(open(os.path.join(ckpt, "config.json")))
-    return cfg.get("text_config", cfg)["vocab_size"]
-
-
 def _judge(case, runs):
     """runs: {"pcp1": outputs, "pcp2": outputs, "tp2": outputs} -> asserts and records."""
     pcp = e2e.compare(runs["pcp1"], runs["pcp2"])
@@ -60,7 +52,7 @@ def _run_all(case, spec_of, timeout=480):
 def test_unequal_batch_max_tokens_one_abort_and_shutdown():
     """Case 1 (6 prompts of unequal lengths) + case 4 (max_tokens=1, abort mid-prefill, shutdown)."""
     ckpt = e2e.checkpoint("tiny")
-    vocab = _vocab(ckpt)
+    vocab = e2e.vocab_size(ckpt)
     prompts = e2e.prompt_ids((1, 3, 1000, 4097, 20000, 65536), vocab, seed=2)
 
     def spec(name):
@@ -88,7 +80,7 @@ def test_chunked_prefill_and_prefix_caching():
     Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit.
     One engine per parallel setting runs both (prefix caching on, 2048-token chunks)."""
     ckpt = e2e.checkpoint("tiny")
-    vocab = _vocab(ckpt)
+    vocab = e2e.vocab_size(ckpt)
     long_prompt = e2e.prompt_ids((20000,), vocab, seed=4)
     prefix = e2e.prompt_ids((20000,), vocab, seed=5)[0]
     a, b = e2e.prompt_ids((300, 700), vocab, seed=6)
