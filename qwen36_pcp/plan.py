@@ -229,27 +229,30 @@ class PCPPlan:
 
     # ------------------------------------------------------- GDN (per rank)
     @cached_property
-    def split_segment_slots(self) -> list[list[int]]:
-        """Per rank: positions (in that rank's segment list) of its split segments, in order."""
-        return [[j for j, s in enumerate(segs) if s.block >= 0] for segs in self.segments]
+    def summary_runs(self) -> list[tuple[int, int, int]]:
+        """Maximal runs of consecutive blocks on one rank, in chain order: (owner, first, last block).
 
-    @cached_property
-    def num_split_segments(self) -> int:
-        counts = {len(x) for x in self.split_segment_slots}
-        assert len(counts) == 1, "every rank must hold the same number of split segments"
-        return counts.pop()
+        The owner composes each run into one summary before the gather; the run holding block 0 sends
+        only its end state (its start state is known). Owners depend on the block index alone, so the
+        runs are the same for every split request.
+        """
+        runs: list[tuple[int, int, int]] = []
+        for b in range(self.num_blocks):
+            owner = block_owner(b, self.world_size, self.config.layout)
+            if runs and runs[-1][0] == owner:
+                runs[-1] = (owner, runs[-1][1], b)
+            else:
+                runs.append((owner, b, b))
+        return runs
 
-    @cached_property
-    def summary_chain(self) -> np.ndarray:
-        """[num_blocks, num_split_reqs]: gathered-summary index of (request k, block b)."""
-        chain = np.full((self.num_blocks, len(self.split_reqs)), -1, dtype=np.int64)
-        k_of_req = {int(i): k for k, i in enumerate(self.split_reqs)}
-        for r in range(self.world_size):
-            for slot, j in enumerate(self.split_segment_slots[r]):
-                s = self.segments[r][j]
-                chain[s.block, k_of_req[s.req]] = r * self.num_split_segments + slot
-        assert (chain >= 0).all()
-        return chain
+    def split_block_slots(self, r: int | None = None) -> dict[int, list[int]]:
+        """Rank r's blocks of the split requests: block -> local segment position of each request."""
+        r = self.rank if r is None else r
+        return {
+            b: [self.slot_of[r][(int(i), b)] for i in self.split_reqs]
+            for owner, first, last in self.summary_runs if owner == r
+            for b in range(first, last + 1)
+        }
 
     def conv_sources(self, width: int, r: int | None = None):
         """Where each conv input needed across segment boundaries comes from.

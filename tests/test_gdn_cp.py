@@ -121,3 +121,33 @@ def _conv_worker(rank, group):
 
 def test_conv_halo_matches_full_conv():
     assert all(run_distributed(_conv_worker, 4))
+
+
+def test_summary_runs_compose_adjacent_blocks():
+    runs = lambda n, layout: PCPPlan([0], [4096], n, 0, PCPConfig(layout=layout)).summary_runs  # noqa: E731
+    assert runs(2, "zigzag") == [(0, 0, 0), (1, 1, 2), (0, 3, 3)]
+    assert runs(4, "zigzag") == [(0, 0, 0), (1, 1, 1), (2, 2, 2), (3, 3, 4), (2, 5, 5), (1, 6, 6), (0, 7, 7)]
+    assert runs(2, "contiguous") == [(0, 0, 0), (1, 1, 1)]
+
+
+def _exchange_worker(rank, group):
+    """The summary exchange alone at the Qwen3.6-35B-A3B GDN shape (32 V heads x 128, K 128)."""
+    from qwen36_pcp.layers.gdn_cp import _fold_split_states
+
+    HV, V, K = 32, 128, 128
+    plan = PCPPlan([0], [1024], 2, rank, PCPConfig())
+    ctx = PCPContext(plan, group, "cpu")
+    T = plan.num_local_tokens
+    final = torch.randn(len(plan.local_segments), HV, V + K, K) * 0.01
+    o = torch.randn(T, HV, V + K)
+    out = o[:, :, :V].clone()
+    x_end = _fold_split_states(ctx, o, final, out, V)
+    return ctx.bytes_sent, x_end
+
+
+def test_summary_exchange_sends_6_MiB_per_rank_at_35b_shape():
+    """pcp=2 zigzag: rank 0 sends block 0's end state (2 MiB) and block 3's summary (4 MiB), rank 1
+    the composed summary of blocks 1-2 (4 MiB, padded to 6): within issue 3's 8 MiB per rank per layer."""
+    results = run_distributed(_exchange_worker, 2)
+    assert [b for b, _ in results] == [6 * 2**20, 6 * 2**20]
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)

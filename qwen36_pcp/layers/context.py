@@ -63,7 +63,8 @@ class PCPContext:
         return self._cached(("conv", width), build)
 
     def gdn_index(self):
-        """Per-step GDN indices: which segments start from the cache, split slots, the chain."""
+        """Per-step GDN indices: segments that start from the cache, replicated segments, and this
+        rank's blocks of the split requests (block -> local positions, on host and device)."""
 
         def build():
             plan = self.plan
@@ -71,25 +72,19 @@ class PCPContext:
             starts_from_cache = np.array(
                 [s.block <= 0 and plan.num_computed[s.req] > 0 for s in segs], dtype=bool
             )
-            slots = plan.split_segment_slots[plan.rank]
             replicated = [j for j, s in enumerate(segs) if s.block < 0]
-            k_of_req = {int(i): k for k, i in enumerate(plan.split_reqs)}
-            # local split segments that need the correction: (slot j, chain row b*Rs + k)
-            corrections = [
-                (j, s.block * len(plan.split_reqs) + k_of_req[s.req])
-                for j, s in enumerate(segs)
-                if s.block >= 1
-            ]
+            block_slots = plan.split_block_slots()
             return {
                 "starts_from_cache": self.to_device(starts_from_cache, torch.bool),
-                "split_slots": self.to_device(np.array(slots, dtype=np.int64)),
                 "replicated_slots": self.to_device(np.array(replicated, dtype=np.int64)),
                 "replicated_reqs": self.to_device(
                     np.array([segs[j].req for j in replicated], dtype=np.int64)
                 ),
                 "split_reqs": self.to_device(plan.split_reqs.astype(np.int64)),
-                "chain": self.to_device(plan.summary_chain.reshape(-1)),
-                "corrections": corrections,
+                "block_slots": block_slots,
+                "block_slots_dev": {
+                    b: self.to_device(np.array(v, dtype=np.int64)) for b, v in block_slots.items()
+                },
             }
 
         return self._cached("gdn", build)

@@ -254,27 +254,79 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
 
     core_attn_out[:T] = o[:, :, :V]
     if len(plan.split_reqs):  # every rank takes part in the gather, corrections or not
-        summaries = ctx.all_gather(final.index_select(0, idx["split_slots"]))
-        num_split = len(plan.split_reqs)
-        chain = summaries.index_select(0, idx["chain"]).view(plan.num_blocks, num_split, HV, V + K, K)
-        x_end = chain[0, :, :, :V, :]
-        x_in = [x_end]  # x_in[b] (b >= 1) is the state entering block b
-        for blk in range(1, plan.num_blocks):
-            x_in.append(x_end)
-            x_end = x_end @ chain[blk, :, :, V:, :] + chain[blk, :, :, :V, :]
-        x_in = torch.stack(x_in).view(-1, HV, V, K)
-        cu = ctx.t.cu_q_cpu.tolist()
-        for j, row in idx["corrections"]:  # o = o_local + X_in c_t, in fp32
-            r0, r1 = cu[j], cu[j + 1]
-            corrected = o[r0:r1, :, :V].float() + torch.einsum(
-                "thk,hvk->thv", o[r0:r1, :, V:].float(), x_in[row])
-            core_attn_out[r0:r1] = corrected.to(core_attn_out.dtype)
+        x_end = _fold_split_states(ctx, o, final, core_attn_out, V)
         ssm_state[state_idx.index_select(0, idx["split_reqs"])] = x_end.to(ssm_state.dtype)
     rep_slots = idx["replicated_slots"]
     if rep_slots.numel():
         ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = final.index_select(
             0, rep_slots
         )[:, :, :V, :].to(ssm_state.dtype)
+
+
+def _compose(s, nxt, V):
+    """Summary of two consecutive blocks: X -> (X P_a + L_a) P_b + L_b; s, nxt [.., V+K, K] (or s [.., V, K])."""
+    out = s @ nxt[..., V:, :]
+    out[..., :V, :] += nxt[..., :V, :]
+    return out
+
+
+def _fold_split_states(ctx: PCPContext, o, final, core_attn_out, V):
+    """Exchange the split requests' block summaries, fold them in chain order, correct this rank's
+    outputs (o = o_local + X_in c_t) and return every split request's end state [Rs, HV, V, K] (fp32).
+
+    A rank sends one summary per run of consecutive blocks it owns ([V+K, K] per head), only the end
+    state ([V, K]) for the run holding block 0; payloads are padded to the largest rank's.
+    """
+    plan = ctx.plan
+    idx = ctx.gdn_index()
+    slots, slots_dev = idx["block_slots"], idx["block_slots_dev"]
+    num_split, HV, VK, K = len(plan.split_reqs), final.shape[1], final.shape[2], final.shape[3]
+
+    def numel(first):
+        return num_split * HV * (V if first == 0 else VK) * K
+
+    sizes = [sum(numel(f) for own, f, _ in plan.summary_runs if own == r) for r in range(plan.world_size)]
+    payload = final.new_zeros(max(sizes))
+    offset = 0
+    for own, first, last in plan.summary_runs:
+        if own != plan.rank:
+            continue
+        s = final.index_select(0, slots_dev[first])
+        for blk in range(first + 1, last + 1):
+            s = _compose(s, final.index_select(0, slots_dev[blk]), V)
+        s = s[:, :, :V] if first == 0 else s
+        payload[offset : offset + s.numel()] = s.reshape(-1)
+        offset += s.numel()
+    gathered = ctx.all_gather(payload).view(plan.world_size, -1)
+
+    # fold in chain order: x is the state after the last run folded
+    offsets, x, x_in_run = [0] * plan.world_size, None, {}
+    for own, first, last in plan.summary_runs:
+        n = numel(first)
+        s = gathered[own, offsets[own] : offsets[own] + n].view(num_split, HV, -1, K)
+        offsets[own] += n
+        if first == 0:
+            x = s
+        else:
+            x_in_run[first] = x
+            x = _compose(x, s, V)
+
+    # this rank's blocks: X_in of each block, then o += c_t X_in^T per segment (bf16 GEMM, fp32 acc.)
+    cu = ctx.t.cu_q_cpu.tolist()
+    for own, first, last in plan.summary_runs:
+        if own != plan.rank:
+            continue
+        x_in = x_in_run.get(first)
+        for blk in range(first, last + 1):
+            if x_in is not None:
+                x_t = x_in.transpose(-1, -2).to(o.dtype)  # [Rs, HV, K, V]
+                for k, j in enumerate(slots[blk]):
+                    r0, r1 = cu[j], cu[j + 1]
+                    delta = torch.bmm(o[r0:r1, :, V:].transpose(0, 1), x_t[k])  # [HV, t, V]
+                    core_attn_out[r0:r1] += delta.transpose(0, 1).to(core_attn_out.dtype)
+            s = final.index_select(0, slots_dev[blk])
+            x_in = s[:, :, :V] if x_in is None else _compose(x_in, s, V)
+    return x
 
 
 # ---------------------------------------------------------------------------------- island

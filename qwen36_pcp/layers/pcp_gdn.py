@@ -6,7 +6,9 @@ tokens as usual. Steps without a PCP context (pcp == 1, decode-only steps, profi
 
 from __future__ import annotations
 
+import torch
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
 from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
@@ -28,9 +30,31 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
             activation=self.activation,
         )
 
+    def _warmup_augmented_scan(self, mixed_qkv):
+        """Autotune the chunk kernels for the augmented value width (V + K) during profiling, as vLLM
+        does for V: otherwise the first split step pays it (a minute on a fresh machine) and the
+        autotuner's buffers come out of memory that the KV cache already took."""
+        if getattr(PCPGatedDeltaNetAttention, "_augmented_warmed_up", False):
+            return
+        PCPGatedDeltaNetAttention._augmented_warmed_up = True
+        w = self.gdn_weights()
+        T, hv = FLA_CHUNK_SIZE, self.num_v_heads // self.tp_size
+        dev, dt = mixed_qkv.device, mixed_qkv.dtype
+        y = torch.randn(T, mixed_qkv.shape[-1], device=dev, dtype=dt)
+        a, b = (torch.randn(T, hv, device=dev, dtype=dt) for _ in range(2))
+        q, k, v, g, beta = VllmGDNKernels.prep(y, a, b, w)
+        K = self.head_k_dim
+        v_aug = torch.cat([v, v.new_zeros(T, hv, K)], dim=-1)
+        init = torch.zeros(1, hv, v_aug.shape[-1], K, device=dev, dtype=torch.float32)
+        cu_cpu = torch.tensor([0, T], dtype=torch.int32)
+        VllmGDNKernels.chunk(q, k, v_aug, g, beta, init, cu_cpu.to(dev), cu_cpu)
+        torch.accelerator.empty_cache()
+
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         ctx = current_pcp_context()
         if ctx is None:
+            if get_forward_context().attn_metadata is None:  # profile run
+                self._warmup_augmented_scan(mixed_qkv)
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
         if ctx.plan.config.gdn_mode == "island":
             return gdn_island(ctx, super()._forward_core, mixed_qkv, b, a, core_attn_out)

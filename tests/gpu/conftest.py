@@ -9,3 +9,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engine_jobs(builder=fn): engine/server jobs this test judges; "
+                            "every selected test's jobs run in one GPU pool (see engine_pool)")
+
+
+@pytest.fixture(scope="session")
+def engine_pool(request):
+    """Run the jobs of every selected test in one pool, side by side on disjoint GPUs, once per session.
+
+    A test marked ``engine_jobs(builder=fn)`` declares ``fn() -> {name: (spec or callable, GPUs)}``
+    and reads its results with ``e2e.result(engine_pool, name)``.
+    """
+    from . import e2e
+
+    jobs = {}
+    for item in request.session.items:
+        for marker in item.iter_markers("engine_jobs"):
+            jobs.update(marker.kwargs["builder"]())
+    return e2e.engines(jobs)

@@ -125,17 +125,20 @@ def out_dir() -> Path:
     return d
 
 
-def serve(args: list[str], requests, timeout: float = 400, name: str = "serve") -> list:
+def serve(args: list[str], requests, timeout: float = 400, name: str = "serve",
+          gpus: str | None = None) -> list:
     """Start ``vllm serve`` (same code as the CLI), run ``requests(base_url)``, stop it."""
     import urllib.request
 
-    port = 8000 + os.getpid() % 1000
+    port = 8000 + (os.getpid() + sum(map(ord, name))) % 1000
     log_path = out_dir() / f"{name}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
                                  "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+                                env=env, start_new_session=True)
         try:
             deadline = time.time() + timeout
             while True:
@@ -155,7 +158,7 @@ def serve(args: list[str], requests, timeout: float = 400, name: str = "serve") 
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _kill_group(proc, dump=True)
 
 
 def post(url: str, body: dict, timeout: float = 300) -> dict:
@@ -170,24 +173,41 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
 def save(name: str, data) -> None:
     (out_dir() / f"{name}.json").write_text(json.dumps(data, indent=1))
 
+def _kill_group(proc: subprocess.Popen, dump: bool) -> None:
+    """Stop a child and everything it started (engine core, workers); with ``dump``, first ask every
+    process of the group for its Python stacks (registered below), so a stall says where it was."""
+    import signal
+
+    try:
+        if dump:
+            os.killpg(proc.pid, signal.SIGUSR1)
+            time.sleep(5)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | None = None) -> dict:
     """Run one engine spec in a child process; raises with the log tail if it fails or hangs."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         log_path = out_dir() / f"{name}.log"
+        env = dict(os.environ)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        t0 = time.time()
         with open(log_path, "w") as log:
-            t0 = time.time()
+            proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.e2e", "engine", str(spec_path),
+                                     str(out_path)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
             try:
-                env = dict(os.environ)
-                if gpus is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = gpus
-                proc = subprocess.run([sys.executable, "-m", "tests.gpu.e2e", "engine", str(spec_path),
-                                       str(out_path)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=timeout, env=env)
+                proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired as e:
+                _kill_group(proc, dump=True)
                 raise AssertionError(f"{name}: no answer within {timeout} s (stall)\n"
-                                     + log_path.read_text()[-4000:]) from e
+                                     + log_path.read_text()[-6000:]) from e
         if proc.returncode != 0 or not out_path.exists():
             raise AssertionError(f"{name}: exit code {proc.returncode}\n" + log_path.read_text()[-6000:])
         result = json.loads(out_path.read_text())
@@ -196,10 +216,25 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
         return result
 
 
-def engines(jobs: dict, timeout: float = 480) -> dict:
-    """Run several engine specs, side by side on disjoint GPUs when the machine has enough.
+def _queue_order(jobs: dict) -> list[str]:
+    """Jobs in the given order, each 1-GPU job followed by the next 1-GPU job (they run side by side)."""
+    names, order = list(jobs), []
+    for name in names:
+        if name in order:
+            continue
+        order.append(name)
+        if jobs[name][1] == 1:
+            partner = next((m for m in names if m not in order and jobs[m][1] == 1), None)
+            if partner:
+                order.append(partner)
+    return order
 
-    jobs: {name: (spec, number of GPUs)}. Each job gets its own CUDA_VISIBLE_DEVICES set.
+
+def engines(jobs: dict, timeout: float = 480) -> dict:
+    """Run several jobs in order (first in, first started), side by side on disjoint GPUs when free.
+
+    jobs: {name: (spec or callable, number of GPUs)}. A spec runs through ``engine``; a callable is
+    called with the CUDA_VISIBLE_DEVICES string. Returns {name: result, or the exception it raised}.
     """
     import threading
 
@@ -208,34 +243,44 @@ def engines(jobs: dict, timeout: float = 480) -> dict:
     total = torch.cuda.device_count()
     free = list(range(total))
     cond = threading.Condition()
-    results, errors = {}, {}
+    results = {}
+    queue = [name for name in _queue_order(jobs) if jobs[name][1] <= total]
+    for name in set(jobs) - set(queue):
+        results[name] = AssertionError(f"{name} needs {jobs[name][1]} GPUs, the machine has {total}")
 
-    def run(name, spec, n):
+    def run(name, job, n):
         with cond:
-            cond.wait_for(lambda: len(free) >= n)
+            cond.wait_for(lambda: queue[0] == name and len(free) >= n)
+            queue.pop(0)
             gpus = [free.pop(0) for _ in range(n)]
+            cond.notify_all()
+        visible = ",".join(map(str, gpus))
+        t0 = time.time()
         try:
-            results[name] = engine(spec, timeout=timeout, name=name, gpus=",".join(map(str, gpus)))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors[name] = e
+            results[name] = job(visible) if callable(job) else engine(job, timeout, name, visible)
+        except BaseException as e:  # noqa: BLE001 - handed to the test that owns the job
+            results[name] = e
         finally:
+            print(f"[pool] {name} on GPUs {visible}: {time.time() - t0:.0f} s", flush=True)
             with cond:
                 free.extend(gpus)
                 free.sort()
                 cond.notify_all()
 
-    threads = []
-    for name, (spec, n) in sorted(jobs.items(), key=lambda kv: -kv[1][1]):  # big jobs first
-        if n > total:
-            raise AssertionError(f"{name} needs {n} GPUs, the machine has {total}")
-        t = threading.Thread(target=run, args=(name, spec, n))
+    threads = [threading.Thread(target=run, args=(name, *jobs[name])) for name in queue]
+    for t in threads:
         t.start()
-        threads.append(t)
     for t in threads:
         t.join()
-    if errors:
-        raise AssertionError("; ".join(f"{k}: {v}" for k, v in errors.items()))
     return results
+
+
+def result(results: dict, name: str):
+    """One job's result from ``engines``; re-raises its failure in the test that asked for it."""
+    r = results[name]
+    if isinstance(r, BaseException):
+        raise r
+    return r
 
 
 def compare(ref: list[dict], other: list[dict]) -> dict:
@@ -261,6 +306,12 @@ def main(argv):
         return 0
     raise SystemExit(f"unknown command {argv[0]}")
 
+
+if __name__ in ("__main__", "__mp_main__"):  # the engine child and the processes it spawns
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -22,6 +22,8 @@ for cmd in "$@"; do
   echo "== [$i] ($left s left) $cmd"
   timeout "$left" bash -c "$cmd" > "$OUT/step$i.log" 2>&1
   echo "== [$i] exit $?"
+  # engines and servers run in their own sessions: stop what a timed-out step left behind
+  pkill -9 -f 'tests.gpu.e2e|vllm.entrypoints.cli.main|spawn_main' 2>/dev/null
   grep -v "^INFO\|^(EngineCore\|^(Worker\|Warning\|warn" "$OUT/step$i.log" | tail -n 40
 done
 tar czf "$final/results.tgz" -C "$OUT" . && echo "packed $(ls "$OUT" | wc -l) files"

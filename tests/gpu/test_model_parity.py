@@ -13,17 +13,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 LENGTHS = (17, 1000, 4097, 16384)
 
 
-def test_same_tokens_and_logprobs_as_vllm_qwen3_5():
+def parity_jobs():
     ckpt = e2e.checkpoint("tiny")
     prompts = e2e.prompt_ids(LENGTHS, vocab=e2e.vocab_size(ckpt), seed=1)
     common = dict(max_model_len=17000, enforce_eager=True)
     stock_kwargs = e2e.base_llm_kwargs(ckpt, **common)
     stock_kwargs.pop("hf_overrides")
     stock_kwargs["language_model_only"] = True
-    specs = {"parity_ours": {"llm": e2e.base_llm_kwargs(ckpt, **common), "prompts": prompts},
-             "parity_stock": {"llm": stock_kwargs, "prompts": prompts}}
-    res = e2e.engines({n: (s, 1) for n, s in specs.items()})  # side by side on 2+ GPUs
-    ours, stock = res["parity_ours"], res["parity_stock"]
+    return {"parity_ours": ({"llm": e2e.base_llm_kwargs(ckpt, **common), "prompts": prompts}, 1),
+            "parity_stock": ({"llm": stock_kwargs, "prompts": prompts}, 1)}
+
+
+@pytest.mark.engine_jobs(builder=parity_jobs)
+def test_same_tokens_and_logprobs_as_vllm_qwen3_5(engine_pool):
+    ours, stock = e2e.result(engine_pool, "parity_ours"), e2e.result(engine_pool, "parity_stock")
     a, b = ours["runs"][0]["outputs"], stock["runs"][0]["outputs"]
     cmp = e2e.compare(b, a)
     same_tokens = all(x["token_ids"] == y["token_ids"] for x, y in zip(a, b))
@@ -34,7 +37,7 @@ def test_same_tokens_and_logprobs_as_vllm_qwen3_5():
     assert cmp["max_logprob_diff"] <= 1e-3, report
 
 
-def test_serve_answers_completions_and_chat():
+def _serve_pcp1(gpus):
     ckpt = e2e.checkpoint("tiny")
 
     def requests(url):
@@ -43,12 +46,20 @@ def test_serve_answers_completions_and_chat():
         chat = e2e.post(f"{url}/v1/chat/completions", {
             "model": ckpt, "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "Say something."}]})
-        return comp, chat
+        return {"completion": comp, "chat": chat}
 
-    comp, chat = e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
-                            "--gdn-prefill-backend", "triton", "--max-model-len", "4096",
-                            "--gpu-memory-utilization", "0.5", "--enforce-eager"], requests, name="serve_pcp1")
-    e2e.save("serve_pcp1", {"completion": comp, "chat": chat})
+    out = e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
+                     "--gdn-prefill-backend", "triton", "--max-model-len", "4096",
+                     "--gpu-memory-utilization", "0.5", "--enforce-eager"], requests, name="serve_pcp1",
+                    gpus=gpus)
+    e2e.save("serve_pcp1", out)
+    return out
+
+
+@pytest.mark.engine_jobs(builder=lambda: {"serve_pcp1": (_serve_pcp1, 1)})
+def test_serve_answers_completions_and_chat(engine_pool):
+    out = e2e.result(engine_pool, "serve_pcp1")
+    comp, chat = out["completion"], out["chat"]
     assert comp["choices"][0]["text"], comp
     assert chat["choices"][0]["message"]["content"] is not None, chat
     assert chat["usage"]["completion_tokens"] > 0, chat

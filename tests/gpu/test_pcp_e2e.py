@@ -38,22 +38,24 @@ def _judge(case, runs):
     assert pcp["max_logprob_diff"] <= allowed, REPORT[case]
 
 
-def _run_all(case, spec_of, timeout=480):
-    """pcp1, pcp2 and tp2 engines for one case (concurrently when there are enough GPUs)."""
+def _jobs(case, spec_of):
+    """pcp1, pcp2 and tp2 engine jobs for one case."""
     jobs = {}
     for name, par in PARALLEL.items():
         spec = spec_of(name)
         spec["llm"].update(par)
         jobs[f"{case}_{name}"] = (spec, par["tensor_parallel_size"] * par["prefill_context_parallel_size"])
-    res = e2e.engines(jobs, timeout=timeout)
-    return {name: res[f"{case}_{name}"] for name in PARALLEL}
+    return jobs
 
 
-def test_unequal_batch_max_tokens_one_abort_and_shutdown():
-    """Case 1 (6 prompts of unequal lengths) + case 4 (max_tokens=1, abort mid-prefill, shutdown)."""
+def _results(pool, case):
+    return {name: e2e.result(pool, f"{case}_{name}") for name in PARALLEL}
+
+
+def case1_jobs():
     ckpt = e2e.checkpoint("tiny")
     vocab = e2e.vocab_size(ckpt)
-    prompts = e2e.prompt_ids((1, 3, 1000, 4097, 20000, 65536), vocab, seed=2)
+    prompts = e2e.prompt_ids(CASE1_LENGTHS, vocab, seed=2)
 
     def spec(name):
         s = {"llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True), "prompts": prompts}
@@ -62,32 +64,47 @@ def test_unequal_batch_max_tokens_one_abort_and_shutdown():
             s["abort_prompt"] = e2e.prompt_ids((30000,), vocab, seed=3)[0]
         return s
 
-    res = _run_all("case1_unequal_batch", spec)
+    return _jobs("case1_unequal_batch", spec)
+
+
+CASE1_LENGTHS = (1, 3, 1000, 4097, 20000, 65536)
+
+
+@pytest.mark.engine_jobs(builder=case1_jobs)
+def test_unequal_batch_max_tokens_one_abort_and_shutdown(engine_pool):
+    """Case 1 (6 prompts of unequal lengths) + case 4 (max_tokens=1, abort mid-prefill, shutdown)."""
+    res = _results(engine_pool, "case1_unequal_batch")
     _judge("case1_unequal_batch", {k: v["runs"][0]["outputs"] for k, v in res.items()})
     pcp2 = res["pcp2"]
     REPORT["case4"] = {"max_tokens_one": pcp2["max_tokens_one"], "abort": pcp2["abort_mid_prefill"],
                        "shutdown_s": pcp2["shutdown_s"],
-                       "startup_s": {k: v["startup_s"] for k, v in res.items()}}
+                       "startup_s": {k: v["startup_s"] for k, v in res.items()},
+                       "batch_s": {k: v["runs"][0]["seconds"] for k, v in res.items()}}
     e2e.save("pcp_e2e", REPORT)
-    assert pcp2["max_tokens_one"] == [1] * len(prompts)
+    assert pcp2["max_tokens_one"] == [1] * len(CASE1_LENGTHS)
     assert "victim" not in pcp2["abort_mid_prefill"]["finished"]
     assert pcp2["abort_mid_prefill"]["finished"].get("survivor") == 8
     assert pcp2["shutdown_s"] < 60
 
 
-def test_chunked_prefill_and_prefix_caching():
-    """Case 2: max_num_batched_tokens=2048 on a 20000-token prompt (10 chunks, each a continuation).
-    Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit.
-    One engine per parallel setting runs both (prefix caching on, 2048-token chunks)."""
+def case2_3_jobs():
     ckpt = e2e.checkpoint("tiny")
     vocab = e2e.vocab_size(ckpt)
     long_prompt = e2e.prompt_ids((20000,), vocab, seed=4)
     prefix = e2e.prompt_ids((20000,), vocab, seed=5)[0]
     a, b = e2e.prompt_ids((300, 700), vocab, seed=6)
-    res = _run_all("case2_3", lambda name: {
+    return _jobs("case2_3", lambda name: {
         "llm": e2e.base_llm_kwargs(ckpt, max_num_batched_tokens=2048, enable_prefix_caching=True,
                                    enforce_eager=True, max_model_len=21000),
         "batches": [long_prompt, [prefix + a], [prefix + b]]})
+
+
+@pytest.mark.engine_jobs(builder=case2_3_jobs)
+def test_chunked_prefill_and_prefix_caching(engine_pool):
+    """Case 2: max_num_batched_tokens=2048 on a 20000-token prompt (10 chunks, each a continuation).
+    Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit.
+    One engine per parallel setting runs both (prefix caching on, 2048-token chunks)."""
+    res = _results(engine_pool, "case2_3")
     _judge("case2_chunked_prefill", {k: v["runs"][0]["outputs"] for k, v in res.items()})
     cached = {k: v["runs"][2]["outputs"][0]["num_cached_tokens"] for k, v in res.items()}
     REPORT["case3_cached_tokens_second_request"] = cached
@@ -96,8 +113,7 @@ def test_chunked_prefill_and_prefix_caching():
                                   for k, v in res.items()})
 
 
-def test_serve_64_concurrent():
-    """Case 5: vllm serve -pcp 2: 64 concurrent completions of mixed lengths all return, none empty."""
+def _serve_pcp2(gpus):
     ckpt = e2e.checkpoint("tiny")
     words = "the quick brown fox jumps over the lazy dog while context parallel prefill splits prompts"
 
@@ -114,9 +130,15 @@ def test_serve_64_concurrent():
             "messages": [{"role": "user", "content": "Say something."}]})
         return outs, chat
 
-    outs, chat = e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
+    return e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
                       "-pcp", "2", "--gdn-prefill-backend", "triton", "--max-model-len", "16384",
-                      "--gpu-memory-utilization", "0.5"], requests, name="serve_pcp2")
+                      "--gpu-memory-utilization", "0.5"], requests, name="serve_pcp2", gpus=gpus)
+
+
+@pytest.mark.engine_jobs(builder=lambda: {"serve_pcp2": (_serve_pcp2, 2)})
+def test_serve_64_concurrent(engine_pool):
+    """Case 5: vllm serve -pcp 2: 64 concurrent completions of mixed lengths all return, none empty."""
+    outs, chat = e2e.result(engine_pool, "serve_pcp2")
     REPORT["case5_serve"] = {"returned": len(outs), "empty": sum(1 for t, _ in outs if not t),
                              "prompt_tokens": [u["prompt_tokens"] for _, u in outs], "chat": chat}
     e2e.save("pcp_e2e", REPORT)
