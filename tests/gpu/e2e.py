@@ -61,7 +61,10 @@ def run_engine(spec: dict) -> dict:
     for batch in spec.get("batches", [spec.get("prompts", [])]):
         batch = [batch] if batch and isinstance(batch[0], int) else batch
         t1 = time.time()
+        timers = [_stack_dump_timer(t) for t in spec.get("dump_stacks_after_s", [])]
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+        for t in timers:
+            t.cancel()
         result["runs"].append({"outputs": _outputs(res), "seconds": time.time() - t1})
     for action in spec.get("actions", []):
         result[action] = ACTIONS[action](llm, spec)
@@ -69,6 +72,17 @@ def run_engine(spec: dict) -> dict:
     llm.llm_engine.engine_core.shutdown()
     result["shutdown_s"] = time.time() - t2
     return result
+
+
+def _stack_dump_timer(seconds: float):
+    """Diagnostics for a slow batch: every process of the engine prints its Python stacks."""
+    import signal
+    import threading
+
+    t = threading.Timer(seconds, lambda: os.killpg(os.getpgid(0), signal.SIGUSR1))
+    t.daemon = True
+    t.start()
+    return t
 
 
 def _abort_mid_prefill(llm, spec):
@@ -189,7 +203,17 @@ def _kill_group(proc: subprocess.Popen, dump: bool) -> None:
 
 
 def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | None = None) -> dict:
-    """Run one engine spec in a child process; raises with the log tail if it fails or hangs."""
+    """Run one engine spec in a child process; raises with the log tail if it fails or hangs.
+
+    With QWEN36_PCP_REUSE=DIR, a result saved earlier as DIR/<name>.json is used instead (to split a
+    long acceptance run over several machine sessions).
+    """
+    reuse = Path(os.environ.get("QWEN36_PCP_REUSE", "/nonexistent")) / f"{name}.json"
+    if reuse.exists():
+        print(f"[pool] {name}: reusing {reuse}", flush=True)
+        result = json.loads(reuse.read_text())
+        save(name, result)
+        return result
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
