@@ -6,7 +6,6 @@ import logging
 
 __version__ = "0.1.0"
 SUPPORTED_VLLM_VERSION = "0.20.2"
-_MODEL_REF = "qwen36_pcp.model.qwen3_6:Qwen3_6ForCausalLM"
 
 logger = logging.getLogger("qwen36_pcp")
 _warned = False
@@ -40,8 +39,10 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from . import runner_hooks
-    from .model.qwen3_6 import ARCHITECTURE
+    from .model.qwen3_6 import ARCHITECTURE, Qwen3_6ForCausalLM
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, _MODEL_REF)
+        # the class itself, not "module:Class": vLLM inspects a lazily registered out-of-tree model in
+        # a fresh Python subprocess on every engine start (~20 s), and the module is imported anyway
+        ModelRegistry.register_model(ARCHITECTURE, Qwen3_6ForCausalLM)
     runner_hooks.install()

@@ -38,7 +38,13 @@ def _configs(ckpt):
     qwen36_pcp.register()
     qwen36_pcp.register()  # idempotent
     out = {"registered": ARCH in ModelRegistry.get_supported_archs()}
+    import vllm.model_executor.models.registry as registry
+
+    subprocesses = []
+    orig_run_in_subprocess = registry._run_in_subprocess
+    registry._run_in_subprocess = lambda fn: subprocesses.append(fn) or orig_run_in_subprocess(fn)
     cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
+    out["inspect_subprocesses"] = len(subprocesses)
     out["arch"] = cfg.model_config.architecture
     out["is_hybrid"] = cfg.model_config.is_hybrid
     out["world_size"] = cfg.parallel_config.world_size
@@ -73,6 +79,7 @@ def _configs(ckpt):
 def test_config_resolution_and_startup_errors(tiny_ckpt):
     out = run_isolated(_configs, tiny_ckpt)
     assert out["registered"] and out["arch"] == ARCH and out["model_cls"] == ARCH
+    assert out["inspect_subprocesses"] == 0  # resolving the architecture costs no Python subprocess
     assert out["is_hybrid"] and out["world_size"] == 2 and out["mamba_ssm_dtype"] == "float32"
     for name, msg in out["errors"].items():
         assert msg is not None, f"{name} was accepted"

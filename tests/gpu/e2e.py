@@ -61,10 +61,7 @@ def run_engine(spec: dict) -> dict:
     for batch in spec.get("batches", [spec.get("prompts", [])]):
         batch = [batch] if batch and isinstance(batch[0], int) else batch
         t1 = time.time()
-        timers = [_stack_dump_timer(t) for t in spec.get("dump_stacks_after_s", [])]
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
-        for t in timers:
-            t.cancel()
         result["runs"].append({"outputs": _outputs(res), "seconds": time.time() - t1})
     for action in spec.get("actions", []):
         result[action] = ACTIONS[action](llm, spec)
@@ -72,17 +69,6 @@ def run_engine(spec: dict) -> dict:
     llm.llm_engine.engine_core.shutdown()
     result["shutdown_s"] = time.time() - t2
     return result
-
-
-def _stack_dump_timer(seconds: float):
-    """Diagnostics for a slow batch: every process of the engine prints its Python stacks."""
-    import signal
-    import threading
-
-    t = threading.Timer(seconds, lambda: os.killpg(os.getpgid(0), signal.SIGUSR1))
-    t.daemon = True
-    t.start()
-    return t
 
 
 def _abort_mid_prefill(llm, spec):

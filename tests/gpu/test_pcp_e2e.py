@@ -62,7 +62,6 @@ def case1_jobs():
         if name == "pcp2":
             s["actions"] = ["max_tokens_one", "abort_mid_prefill"]
             s["abort_prompt"] = e2e.prompt_ids((30000,), vocab, seed=3)[0]
-            s["dump_stacks_after_s"] = [45, 75]  # where a slow first batch spends its time
         return s
 
     return _jobs("case1_unequal_batch", spec)
