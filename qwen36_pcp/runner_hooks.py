@@ -1,8 +1,9 @@
 """Every place where qwen36_pcp touches vLLM internals. Written for vLLM 0.20.2.
 
 Each hook is named after what it fixes, is installed at most once per process (``install`` is
-idempotent; ``qwen36_pcp.register`` installs them only on vLLM 0.20.2), and acts only when the running model is ``Qwen3_6ForCausalLM`` with
-prefill_context_parallel_size > 1; otherwise it calls vLLM's code unchanged.
+idempotent; ``qwen36_pcp.register`` installs them only on vLLM 0.20.2), and acts only when the running
+model is ``Qwen3_6ForCausalLM`` with prefill_context_parallel_size > 1; otherwise it calls vLLM's code
+unchanged.
 
 KV cache under PCP: vLLM 0.20.2 would SHARD the KV cache over PCP ranks (and rejects hybrid models).
 We keep it REPLICATED: every PCP rank holds the whole KV cache and every request's GDN states, so block

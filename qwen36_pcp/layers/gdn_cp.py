@@ -226,6 +226,11 @@ def conv_with_halo(ctx: PCPContext, kernels, mixed_qkv, w: GDNWeights, conv_stat
 
 
 # --------------------------------------------------------------------------- state passing
+def augmented_values(v, K):
+    """v [T, HV, V] -> [T, HV, V+K] with K zero columns: the scan then also carries P and c_t."""
+    return torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1)
+
+
 def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, w: GDNWeights,
                       conv_state, ssm_state, state_idx):
     """GDN core (conv + gated delta rule) of this rank's tokens, exact up to kernel rounding.
@@ -249,7 +254,7 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
     cached = ssm_state.index_select(0, state_idx.index_select(0, seg_req)).float()
     init[:, :, :V, :] = torch.where(idx["starts_from_cache"][:, None, None, None], cached, 0.0)
 
-    v_aug = torch.cat([v, v.new_zeros(T, HV, K)], dim=-1)
+    v_aug = augmented_values(v, K)
     o, final = kernels.chunk(q, k, v_aug, g, beta, init, ctx.t.cu_q, ctx.t.cu_q_cpu, cache=ctx.t.extra)
 
     core_attn_out[:T] = o[:, :, :V]
@@ -286,14 +291,15 @@ def _fold_split_states(ctx: PCPContext, o, final, core_attn_out, V):
         return num_split * HV * (V if first == 0 else VK) * K
 
     sizes = [sum(numel(f) for own, f, _ in plan.summary_runs if own == r) for r in range(plan.world_size)]
+    local = {blk: final.index_select(0, dev) for blk, dev in slots_dev.items()}  # [Rs, HV, V+K, K]
     payload = final.new_zeros(max(sizes))
     offset = 0
     for own, first, last in plan.summary_runs:
         if own != plan.rank:
             continue
-        s = final.index_select(0, slots_dev[first])
+        s = local[first]
         for blk in range(first + 1, last + 1):
-            s = _compose(s, final.index_select(0, slots_dev[blk]), V)
+            s = _compose(s, local[blk], V)
         s = s[:, :, :V] if first == 0 else s
         payload[offset : offset + s.numel()] = s.reshape(-1)
         offset += s.numel()
@@ -324,7 +330,7 @@ def _fold_split_states(ctx: PCPContext, o, final, core_attn_out, V):
                     r0, r1 = cu[j], cu[j + 1]
                     delta = torch.bmm(o[r0:r1, :, V:].transpose(0, 1), x_t[k])  # [HV, t, V]
                     core_attn_out[r0:r1] += delta.transpose(0, 1).to(core_attn_out.dtype)
-            s = final.index_select(0, slots_dev[blk])
+            s = local[blk]
             x_in = s[:, :, :V] if x_in is None else _compose(x_in, s, V)
     return x
 

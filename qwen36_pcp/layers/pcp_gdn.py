@@ -13,7 +13,7 @@ from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttent
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
 from .context import current_pcp_context
-from .gdn_cp import GDNWeights, VllmGDNKernels, gdn_island, gdn_state_passing
+from .gdn_cp import GDNWeights, VllmGDNKernels, augmented_values, gdn_island, gdn_state_passing
 
 
 class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
@@ -44,7 +44,7 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         a, b = (torch.randn(T, hv, device=dev, dtype=dt) for _ in range(2))
         q, k, v, g, beta = VllmGDNKernels.prep(y, a, b, w)
         K = self.head_k_dim
-        v_aug = torch.cat([v, v.new_zeros(T, hv, K)], dim=-1)
+        v_aug = augmented_values(v, K)
         init = torch.zeros(1, hv, v_aug.shape[-1], K, device=dev, dtype=torch.float32)
         cu_cpu = torch.tensor([0, T], dtype=torch.int32)
         VllmGDNKernels.chunk(q, k, v_aug, g, beta, init, cu_cpu.to(dev), cu_cpu)

@@ -173,6 +173,7 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
 def save(name: str, data) -> None:
     (out_dir() / f"{name}.json").write_text(json.dumps(data, indent=1))
 
+
 def _kill_group(proc: subprocess.Popen, dump: bool) -> None:
     """Stop a child and everything it started (engine core, workers); with ``dump``, first ask every
     process of the group for its Python stacks (registered below), so a stall says where it was."""
