@@ -38,18 +38,22 @@ def _judge(case, runs):
     assert pcp["max_logprob_diff"] <= allowed, REPORT[case]
 
 
-def _jobs(case, spec_of):
-    """pcp1, pcp2 and tp2 engine jobs for one case."""
+ISLAND = {"pcp2_island": dict(tensor_parallel_size=1, prefill_context_parallel_size=2,
+                              additional_config={"qwen36_pcp": {"gdn_mode": "island"}})}
+
+
+def _jobs(case, spec_of, parallel=PARALLEL):
+    """One engine job per parallel setting (pcp1, pcp2, tp2 unless given) for one case."""
     jobs = {}
-    for name, par in PARALLEL.items():
+    for name, par in parallel.items():
         spec = spec_of(name)
         spec["llm"].update(par)
         jobs[f"{case}_{name}"] = (spec, par["tensor_parallel_size"] * par["prefill_context_parallel_size"])
     return jobs
 
 
-def _results(pool, case):
-    return {name: e2e.result(pool, f"{case}_{name}") for name in PARALLEL}
+def _results(pool, case, parallel=PARALLEL):
+    return {name: e2e.result(pool, f"{case}_{name}") for name in parallel}
 
 
 def case1_jobs():
@@ -113,6 +117,43 @@ def test_chunked_prefill_and_prefix_caching(engine_pool):
                                   for k, v in res.items()})
 
 
+def case3_repeat_jobs():
+    ckpt = e2e.checkpoint("tiny")
+    vocab = e2e.vocab_size(ckpt)
+    prefixes = e2e.prompt_ids((20000,) * 4, vocab, seed=7)
+    a = e2e.prompt_ids((300,) * 4, vocab, seed=8)
+    b = e2e.prompt_ids((700,) * 4, vocab, seed=9)
+    return _jobs("case3_repeat", lambda name: {
+        "llm": e2e.base_llm_kwargs(ckpt, max_num_batched_tokens=2048, enable_prefix_caching=True,
+                                   enforce_eager=True, max_model_len=21000),
+        "batches": [[p + x for p, x in zip(prefixes, a)], [p + x for p, x in zip(prefixes, b)]]},
+        {**PARALLEL, **ISLAND})
+
+
+def _first_token_diff(ref, other):
+    """|dlogprob| of the reference's first token (None when it is not in the other's top-5)."""
+    tok = str(ref["token_ids"][0])
+    lp = other["logprobs"][0].get(tok)
+    return None if lp is None else round(abs(ref["logprobs"][0][tok] - lp), 4)
+
+
+@pytest.mark.engine_jobs(builder=case3_repeat_jobs)
+def test_prefix_caching_four_prefixes(engine_pool):
+    """Case 3 over four prefixes (8 requests, the second four cache hits), with island mode (exact GDN:
+    what is left against pcp1 is the MoE sharded over the PCP ranks) to tell GDN state-passing error
+    from the rest. Reports each prompt's first-token (pure prefill) |dlogprob| per setting."""
+    res = _results(engine_pool, "case3_repeat", {**PARALLEL, **ISLAND})
+    outs = {k: v["runs"][0]["outputs"] + v["runs"][1]["outputs"] for k, v in res.items()}
+    first = {k: [_first_token_diff(x, y) for x, y in zip(outs["pcp1"], o)]
+             for k, o in outs.items() if k != "pcp1"}
+    REPORT["case3_repeat_first_token_dlogprob"] = first
+    REPORT["case3_repeat_cached_tokens"] = {k: [x["num_cached_tokens"] for x in o] for k, o in outs.items()}
+    REPORT["case3_repeat_island_vs_pcp1"] = e2e.compare(outs["pcp1"], outs["pcp2_island"])
+    print("[case3_repeat] first-token |dlogprob| vs pcp1:", first)
+    assert min(REPORT["case3_repeat_cached_tokens"]["pcp2"][4:]) >= 10000
+    _judge("case3_repeat", {k: outs[k] for k in PARALLEL})
+
+
 def _serve_pcp2(gpus):
     ckpt = e2e.checkpoint("tiny")
     words = "the quick brown fox jumps over the lazy dog while context parallel prefill splits prompts"
@@ -128,6 +169,8 @@ def _serve_pcp2(gpus):
         chat = e2e.post(f"{url}/v1/chat/completions", {
             "model": ckpt, "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "Say something."}]})
+        e2e.save("serve_pcp2", {"returned": len(outs), "empty": sum(1 for t, _ in outs if not t),
+                                "chat_completion_tokens": chat["usage"]["completion_tokens"]})
         return outs, chat
 
     return e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
