@@ -294,6 +294,12 @@ def result(results: dict, name: str):
     return r
 
 
+def outputs(result: dict, runs=None) -> list[dict]:
+    """One job's per-prompt outputs, its batches (``runs``: their indices, default all) in order."""
+    picked = result["runs"] if runs is None else [result["runs"][i] for i in runs]
+    return [out for run in picked for out in run["outputs"]]
+
+
 def compare(ref: list[dict], other: list[dict]) -> dict:
     """vLLM's check_logprobs_close rule, plus the largest |logprob| difference over the shared prefix."""
     ok, max_diff, diverged = True, 0.0, []

@@ -28,14 +28,10 @@ def parity_jobs():
             "parity_stock": ({"llm": stock_kwargs, "batches": batches}, 1)}
 
 
-def _outputs(result):
-    return [out for run in result["runs"] for out in run["outputs"]]
-
-
 @pytest.mark.engine_jobs(builder=parity_jobs)
 def test_same_tokens_and_logprobs_as_vllm_qwen3_5(engine_pool):
     ours, stock = e2e.result(engine_pool, "parity_ours"), e2e.result(engine_pool, "parity_stock")
-    a, b = _outputs(ours), _outputs(stock)
+    a, b = e2e.outputs(ours), e2e.outputs(stock)
     cmp = e2e.compare(b, a)
     same_tokens = all(x["token_ids"] == y["token_ids"] for x, y in zip(a, b))
     report = {"lengths": LENGTHS, "same_tokens": same_tokens, **cmp}

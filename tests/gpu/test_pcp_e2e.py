@@ -78,7 +78,7 @@ CASE1_LENGTHS = (1, 3, 1000, 4097, 20000, 65536)
 def test_unequal_batch_max_tokens_one_abort_and_shutdown(engine_pool):
     """Case 1 (6 prompts of unequal lengths) + case 4 (max_tokens=1, abort mid-prefill, shutdown)."""
     res = _results(engine_pool, "case1_unequal_batch")
-    _judge("case1_unequal_batch", {k: v["runs"][0]["outputs"] for k, v in res.items()})
+    _judge("case1_unequal_batch", {k: e2e.outputs(v) for k, v in res.items()})
     pcp2 = res["pcp2"]
     REPORT["case4"] = {"max_tokens_one": pcp2["max_tokens_one"], "abort": pcp2["abort_mid_prefill"],
                        "shutdown_s": pcp2["shutdown_s"],
@@ -109,12 +109,11 @@ def test_chunked_prefill_and_prefix_caching(engine_pool):
     Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit.
     One engine per parallel setting runs both (prefix caching on, 2048-token chunks)."""
     res = _results(engine_pool, "case2_3")
-    _judge("case2_chunked_prefill", {k: v["runs"][0]["outputs"] for k, v in res.items()})
+    _judge("case2_chunked_prefill", {k: e2e.outputs(v, [0]) for k, v in res.items()})
     cached = {k: v["runs"][2]["outputs"][0]["num_cached_tokens"] for k, v in res.items()}
     REPORT["case3_cached_tokens_second_request"] = cached
     assert cached["pcp2"] >= 10000, cached  # the second request really hit the cache
-    _judge("case3_prefix_cache", {k: v["runs"][1]["outputs"] + v["runs"][2]["outputs"]
-                                  for k, v in res.items()})
+    _judge("case3_prefix_cache", {k: e2e.outputs(v, [1, 2]) for k, v in res.items()})
 
 
 def case3_repeat_jobs():
@@ -143,7 +142,7 @@ def test_prefix_caching_four_prefixes(engine_pool):
     what is left against pcp1 is the MoE sharded over the PCP ranks) to tell GDN state-passing error
     from the rest. Reports each prompt's first-token (pure prefill) |dlogprob| per setting."""
     res = _results(engine_pool, "case3_repeat", {**PARALLEL, **ISLAND})
-    outs = {k: v["runs"][0]["outputs"] + v["runs"][1]["outputs"] for k, v in res.items()}
+    outs = {k: e2e.outputs(v) for k, v in res.items()}
     first = {k: [_first_token_diff(x, y) for x, y in zip(outs["pcp1"], o)]
              for k, o in outs.items() if k != "pcp1"}
     REPORT["case3_repeat_first_token_dlogprob"] = first
@@ -169,9 +168,10 @@ def _serve_pcp2(gpus):
         chat = e2e.post(f"{url}/v1/chat/completions", {
             "model": ckpt, "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "Say something."}]})
-        e2e.save("serve_pcp2", {"returned": len(outs), "empty": sum(1 for t, _ in outs if not t),
-                                "chat_completion_tokens": chat["usage"]["completion_tokens"]})
-        return outs, chat
+        summary = {"returned": len(outs), "empty": sum(1 for t, _ in outs if not t),
+                   "prompt_tokens": [u["prompt_tokens"] for _, u in outs], "chat": chat}
+        e2e.save("serve_pcp2", summary)  # on record even if the session ends before the test body
+        return summary
 
     return e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
                       "-pcp", "2", "--gdn-prefill-backend", "triton", "--max-model-len", "16384",
@@ -181,9 +181,7 @@ def _serve_pcp2(gpus):
 @pytest.mark.engine_jobs(builder=lambda: {"serve_pcp2": (_serve_pcp2, 2)})
 def test_serve_64_concurrent(engine_pool):
     """Case 5: vllm serve -pcp 2: 64 concurrent completions of mixed lengths all return, none empty."""
-    outs, chat = e2e.result(engine_pool, "serve_pcp2")
-    REPORT["case5_serve"] = {"returned": len(outs), "empty": sum(1 for t, _ in outs if not t),
-                             "prompt_tokens": [u["prompt_tokens"] for _, u in outs], "chat": chat}
+    summary = REPORT["case5_serve"] = e2e.result(engine_pool, "serve_pcp2")
     e2e.save("pcp_e2e", REPORT)
-    assert len(outs) == 64 and all(t for t, _ in outs)
-    assert chat["usage"]["completion_tokens"] > 0, chat
+    assert summary["returned"] == 64 and summary["empty"] == 0, summary
+    assert summary["chat"]["usage"]["completion_tokens"] > 0, summary["chat"]
