@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -27,14 +28,16 @@ CONFIGS = {
 }
 
 
-def child(model: str, config: str, tokens: list[int], reps: int) -> dict:
+def child(model: str, config: str, tokens: list[int], reps: int, path: str) -> None:
+    """Writes {tokens: median seconds} to path after each length (a cut-off run keeps what it measured)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     longest = max(tokens)
     llm = LLM(model=model, load_format="dummy", hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
               gdn_prefill_backend="triton", enforce_eager=True, max_model_len=longest + 16,
-              max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0, **CONFIGS[config])
+              max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0,
+              enable_prefix_caching=False, **CONFIGS[config])  # every rep a full prefill
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     out = {}
     for n in tokens:
@@ -45,8 +48,9 @@ def child(model: str, config: str, tokens: list[int], reps: int) -> dict:
             t0 = time.perf_counter()
             llm.generate([prompt], sp, use_tqdm=False)
             times.append(time.perf_counter() - t0)
-        out[n] = sorted(times)[len(times) // 2]
-    return out
+        out[n] = statistics.median(times)
+        with open(path, "w") as f:
+            json.dump(out, f)
 
 
 def main():
@@ -57,45 +61,58 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--report-only", action="store_true",
+                        help="no engines: table and plot from the ttft_<config>.json already in --out")
     args = parser.parse_args()
     if args.child:
-        result = child(args.model, args.child[0], args.tokens, args.reps)
-        with open(args.child[1], "w") as f:
-            json.dump(result, f)
+        child(args.model, args.child[0], args.tokens, args.reps, args.child[1])
         return
     os.makedirs(args.out, exist_ok=True)
     model = args.model
-    if model is None:
+    if model is None and not args.report_only:
         from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
         model = str(make_checkpoint(os.path.join(args.out, "qwen3.6-35b-a3b"), preset="qwen3.6-35b-a3b"))
+    if not args.report_only:
+        for config in args.configs:  # one engine per process: clean GPU memory between configs
+            path = os.path.join(args.out, f"ttft_{config}.json")
+            cmd = [sys.executable, __file__, "--model", model, "--tokens", *map(str, args.tokens),
+                   "--reps", str(args.reps), "--child", config, path]
+            with open(os.path.join(args.out, f"ttft_{config}.log"), "w") as log:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+            if rc != 0:
+                print(f"{config}: exit {rc}, see {log.name}")
+    report(args.out, args.configs, args.tokens)
+
+
+def report(out: str, configs: list[str], tokens: list[int]) -> None:
+    """Table, bench_ttft.json and bench_ttft.png from the per-config results in ``out``."""
     table = {}
-    for config in args.configs:  # one engine per process: clean GPU memory between configs
-        path = os.path.join(args.out, f"ttft_{config}.json")
-        cmd = [sys.executable, __file__, "--model", model, "--tokens", *map(str, args.tokens),
-               "--reps", str(args.reps), "--child", config, path]
-        with open(os.path.join(args.out, f"ttft_{config}.log"), "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-        table[config] = json.load(open(path)) if rc == 0 else None
-    print("TTFT (s), Qwen3.6-35B-A3B shape, dummy weights, one prefill step, eager")
-    print(f"{'tokens':>8} | " + " | ".join(f"{c:>18}" for c in args.configs) + " | pcp2 SP / tp2")
-    for n in args.tokens:
-        row = [table[c][str(n)] if table[c] else float("nan") for c in args.configs]
-        ratio = (table.get("pcp2_state_passing") or {}).get(str(n), float("nan")) / \
-            ((table.get("tp2") or {}).get(str(n), float("nan")) or float("nan"))
-        print(f"{n:>8} | " + " | ".join(f"{t:>18.3f}" for t in row) + f" | {ratio:.2f}")
-    with open(os.path.join(args.out, "bench_ttft.json"), "w") as f:
+    for c in configs:
+        path = os.path.join(out, f"ttft_{c}.json")
+        table[c] = json.load(open(path)) if os.path.exists(path) else {}
+    print("TTFT (s), Qwen3.6-35B-A3B shape, dummy weights, one prefill step, eager; (x) = speedup vs pcp1")
+    print(f"{'tokens':>8} | " + " | ".join(f"{c:>26}" for c in configs))
+    for n in tokens:
+        base = table.get("pcp1", {}).get(str(n), float("nan"))
+        cells = []
+        for c in configs:
+            t = table[c].get(str(n), float("nan"))
+            cells.append(f"{t:>17.3f} ({base / t:4.2f}x)")
+        print(f"{n:>8} | " + " | ".join(cells))
+    with open(os.path.join(out, "bench_ttft.json"), "w") as f:
         json.dump(table, f, indent=1)
+
     def draw(ax):
-        for c in args.configs:
-            if table[c]:
-                ax.plot(args.tokens, [table[c][str(n)] for n in args.tokens], marker="o", label=c)
+        for c in configs:
+            ns = [n for n in tokens if str(n) in table[c]]
+            if ns:
+                ax.plot(ns, [table[c][str(n)] for n in ns], marker="o", label=c)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("TTFT (s)")
 
-    save_figure(os.path.join(args.out, "bench_ttft.png"), draw)
-
+    save_figure(os.path.join(out, "bench_ttft.png"), draw)
 
 if __name__ == "__main__":
     main()

@@ -3,9 +3,10 @@
 #   bash tests/gpu/run_on_device.sh SECONDS 'COMMAND' ['COMMAND' ...]
 # e.g. bash tests/gpu/run_on_device.sh 540 'python3 -m pytest -q -s tests/gpu'
 # Installs the vLLM bundle and this package, runs the commands one after the other within SECONDS in
-# total, and packs every log and result (under $OUT/work) into $OUT/results.tgz.
+# total (packing included: the steps get SECONDS - 60), and packs every log and result (under
+# $OUT/work) into $OUT/results.tgz.
 set -u
-deadline=$(( $(date +%s) + $1 )); shift
+deadline=$(( $(date +%s) + $1 - 60 )); shift
 eval "$(bash .devbundle/part1/install-on-device.sh 2>/dev/null)" || { echo "bundle install failed"; exit 1; }
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null 2>&1 \
   || { echo "package install failed"; exit 1; }
@@ -35,5 +36,6 @@ done
 tar czf "$final/results.tgz" -C "$OUT" . && echo "packed $(ls "$OUT" | wc -l) files"
 # compiled kernels and metadata only (the .ptx/.llir/.ttgir sources are not needed to load a cached kernel)
 (cd "$HOME" && find .triton/cache .cache/vllm -path '*triton*' \( -name '*.cubin' -o -name '*.json' \) 2>/dev/null \
-  | tar cf - -T - | xz -9 -T0 > "$final/triton_cache.tar.xz") \
-  && echo "Triton cache: $(du -b "$final/triton_cache.tar.xz" | cut -f1) bytes"
+  | tar cf - -T - | xz -9 -T0 > /tmp/triton_cache.tar.xz) \
+  && mv /tmp/triton_cache.tar.xz "$final/" \
+  && echo "Triton cache: $(du -b "$final/triton_cache.tar.xz" | cut -f1) bytes"  # whole, or not there
