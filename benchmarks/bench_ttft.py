@@ -68,21 +68,26 @@ def main():
         child(args.model, args.child[0], args.tokens, args.reps, args.child[1])
         return
     os.makedirs(args.out, exist_ok=True)
+    if not args.report_only:
+        measure(args)
+    report(args.out, args.configs, args.tokens)
+
+
+def measure(args) -> None:
+    """One engine per config, each in its own process (clean GPU memory between configs)."""
     model = args.model
-    if model is None and not args.report_only:
+    if model is None:
         from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
         model = str(make_checkpoint(os.path.join(args.out, "qwen3.6-35b-a3b"), preset="qwen3.6-35b-a3b"))
-    if not args.report_only:
-        for config in args.configs:  # one engine per process: clean GPU memory between configs
-            path = os.path.join(args.out, f"ttft_{config}.json")
-            cmd = [sys.executable, __file__, "--model", model, "--tokens", *map(str, args.tokens),
-                   "--reps", str(args.reps), "--child", config, path]
-            with open(os.path.join(args.out, f"ttft_{config}.log"), "w") as log:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-            if rc != 0:
-                print(f"{config}: exit {rc}, see {log.name}")
-    report(args.out, args.configs, args.tokens)
+    for config in args.configs:
+        path = os.path.join(args.out, f"ttft_{config}.json")
+        cmd = [sys.executable, __file__, "--model", model, "--tokens", *map(str, args.tokens),
+               "--reps", str(args.reps), "--child", config, path]
+        with open(os.path.join(args.out, f"ttft_{config}.log"), "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            print(f"{config}: exit {rc}, see {log.name}")
 
 
 def report(out: str, configs: list[str], tokens: list[int]) -> None:
@@ -113,6 +118,7 @@ def report(out: str, configs: list[str], tokens: list[int]) -> None:
         ax.set_ylabel("TTFT (s)")
 
     save_figure(os.path.join(out, "bench_ttft.png"), draw)
+
 
 if __name__ == "__main__":
     main()

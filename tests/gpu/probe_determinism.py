@@ -14,27 +14,26 @@ Results of 2026-11-29: benchmarks/results/2026-11-29-h200x2/determinism/.
 import sys
 
 from . import e2e
-from .test_model_parity import LENGTHS
+from .test_model_parity import model_kwargs, parity_prompts
+
+
+def _run(jobs: dict) -> dict:
+    """{name: outputs} of the jobs that finished; a failed one prints the tail of its error."""
+    outs = {}
+    for name, r in e2e.engines(jobs).items():
+        if isinstance(r, BaseException):
+            print(f"{name}: failed: {str(r)[-1500:]}")
+        else:
+            outs[name] = e2e.outputs(r)
+    return outs
 
 
 def main():
-    ckpt = e2e.checkpoint("tiny")
-    prompts = e2e.prompt_ids(LENGTHS, vocab=e2e.vocab_size(ckpt), seed=1)
-    common = dict(max_model_len=17000, enforce_eager=True)
-    ours = e2e.base_llm_kwargs(ckpt, **common)
-    stock = dict(ours, language_model_only=True)
-    stock.pop("hf_overrides")
+    ckpt, prompts = parity_prompts()
+    ours, stock = model_kwargs(ckpt)
     batches = [[prompts[2]], [prompts[2]], [prompts[3]], [prompts[3]]]
-
-    jobs = {f"det_{model}_{run}": ({"llm": llm, "batches": batches}, 1)
-            for run in "ab" for model, llm in (("ours", ours), ("stock", stock))}
-    res = e2e.engines(jobs)
-    outs = {}
-    for name, r in res.items():
-        if isinstance(r, BaseException):
-            print(f"{name}: failed: {str(r)[:1500]}")
-        else:
-            outs[name] = e2e.outputs(r)
+    outs = _run({f"det_{model}_{run}": ({"llm": llm, "batches": batches}, 1)
+                 for run in "ab" for model, llm in (("ours", ours), ("stock", stock))})
     report = {}
 
     def pair(label, x, i, y, j):
@@ -56,17 +55,11 @@ def main():
 
 def by_attention_backend():
     """The 4097-token prompt three times in one engine, per attention backend: which part repeats."""
-    ckpt = e2e.checkpoint("tiny")
-    prompt = e2e.prompt_ids(LENGTHS, vocab=e2e.vocab_size(ckpt), seed=1)[2]
-    jobs = {}
-    for backend in ("FLASH_ATTN", "TRITON_ATTN"):
-        llm = e2e.base_llm_kwargs(ckpt, max_model_len=17000, enforce_eager=True, attention_backend=backend)
-        jobs[f"det_{backend}"] = ({"llm": llm, "batches": [[prompt]] * 3}, 1)
-    for name, r in e2e.engines(jobs).items():
-        if isinstance(r, BaseException):
-            print(f"{name}: failed: {str(r)[-1500:]}")
-            continue
-        o = e2e.outputs(r)
+    ckpt, prompts = parity_prompts()
+    jobs = {f"det_{backend}": ({"llm": model_kwargs(ckpt, attention_backend=backend)[0],
+                                "batches": [[prompts[2]]] * 3}, 1)
+            for backend in ("FLASH_ATTN", "TRITON_ATTN")}
+    for name, o in _run(jobs).items():
         for i in (1, 2):
             c = e2e.compare([o[0]], [o[i]])
             print(f"{name}: run 0 vs run {i}: max|dlogprob|={c['max_logprob_diff']:.4g} "

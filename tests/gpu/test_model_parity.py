@@ -25,15 +25,25 @@ def parity_jobs():
       arrives, so how a multi-prompt batch is cut into steps is a race between the two runs, and
       vLLM's kernels are not batch-invariant.
     """
-    ckpt = e2e.checkpoint("tiny")
-    prompts = e2e.prompt_ids(LENGTHS, vocab=e2e.vocab_size(ckpt), seed=1)
-    common = dict(max_model_len=17000, enforce_eager=True, attention_backend="TRITON_ATTN")
-    stock_kwargs = e2e.base_llm_kwargs(ckpt, **common)
-    stock_kwargs.pop("hf_overrides")
-    stock_kwargs["language_model_only"] = True
+    ckpt, prompts = parity_prompts()
+    ours, stock = model_kwargs(ckpt, attention_backend="TRITON_ATTN")
     batches = [[p] for p in prompts]
-    return {"parity_ours": ({"llm": e2e.base_llm_kwargs(ckpt, **common), "batches": batches}, 1),
-            "parity_stock": ({"llm": stock_kwargs, "batches": batches}, 1)}
+    return {"parity_ours": ({"llm": ours, "batches": batches}, 1),
+            "parity_stock": ({"llm": stock, "batches": batches}, 1)}
+
+
+def parity_prompts():
+    """The tiny checkpoint and the parity prompts (LENGTHS tokens each)."""
+    ckpt = e2e.checkpoint("tiny")
+    return ckpt, e2e.prompt_ids(LENGTHS, vocab=e2e.vocab_size(ckpt), seed=1)
+
+
+def model_kwargs(ckpt, **kw):
+    """LLM kwargs for our class and for vLLM's own Qwen3_5MoeForConditionalGeneration (text only)."""
+    ours = e2e.base_llm_kwargs(ckpt, max_model_len=17000, enforce_eager=True, **kw)
+    stock = dict(ours, language_model_only=True)
+    stock.pop("hf_overrides")
+    return ours, stock
 
 
 @pytest.mark.engine_jobs(builder=parity_jobs)

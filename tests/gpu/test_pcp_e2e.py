@@ -91,6 +91,12 @@ def test_unequal_batch_max_tokens_one_abort_and_shutdown(engine_pool):
     assert pcp2["shutdown_s"] < 60
 
 
+# The same single-GPU model with 4096-token instead of 2048-token chunks: how far pcp1 moves from
+# itself when only the step shapes change (vLLM's kernels are not batch-invariant). Reported next to
+# cases 2 and 3 so their numbers can be read against the noise of the measurement; not judged.
+NOISE_FLOOR = {"pcp1_chunk4096": PARALLEL["pcp1"]}
+
+
 def case2_3_jobs():
     ckpt = e2e.checkpoint("tiny")
     vocab = e2e.vocab_size(ckpt)
@@ -102,11 +108,6 @@ def case2_3_jobs():
                                    enable_prefix_caching=True, enforce_eager=True, max_model_len=21000),
         "batches": [long_prompt, [prefix + a], [prefix + b]]}, {**PARALLEL, **NOISE_FLOOR})
 
-
-# The same single-GPU model with 4096-token instead of 2048-token chunks: how far pcp1 moves from
-# itself when only the step shapes change (vLLM's kernels are not batch-invariant). Reported next to
-# cases 2 and 3 so their numbers can be read against the noise of the measurement; not judged.
-NOISE_FLOOR = {"pcp1_chunk4096": PARALLEL["pcp1"]}
 
 
 @pytest.mark.engine_jobs(builder=case2_3_jobs)
