@@ -1,5 +1,9 @@
 """Qwen3_6ForCausalLM at pcp=1 == vLLM's own Qwen3_5MoeForConditionalGeneration (1 GPU), and serving.
 
+Where vLLM repeats itself exactly (prompts up to REPRODUCIBLE_TOKENS), ours must match it to
+TOLERANCE with the same tokens; on every prompt, vLLM's check_logprobs_close rule. A second run of
+vLLM's model prints how far vLLM moves from itself next to how far ours is from it.
+
     python -m pytest -q -s tests/gpu/test_model_parity.py
 """
 
@@ -11,30 +15,32 @@ from . import e2e
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 LENGTHS = (17, 1000, 4097, 16384)
+# Prompts up to this length repeated bit for bit in every vLLM run measured (the 1000-token prompt in
+# 15 pairs of processes and 2 repeats within one, both models, FLASH_ATTN and TRITON_ATTN). From ~2k
+# tokens on, vLLM differs from itself: the same prompt twice in one engine by up to 0.20 in max
+# |dlogprob|, two processes by up to 0.53 (``python -m tests.gpu.probe_determinism processes``).
+REPRODUCIBLE_TOKENS = 1000
+TOLERANCE = 1e-3
 
 
 def parity_jobs():
-    """Each prompt in its own generate call, attention on vLLM's TRITON_ATTN backend in both engines.
+    """Our class and vLLM's model, and vLLM's model once more: how far vLLM moves from itself.
 
-    - vLLM itself is not reproducible run to run on prompts of 4k tokens and more with its default
-      FLASH_ATTN backend: the same 4097-token prompt, three times in one engine, gave a different
-      answer once (max |dlogprob| 0.10), and with TRITON_ATTN three identical ones (2 x H200,
-      ``python -m tests.gpu.probe_determinism attention``). Comparing two models needs a
-      reproducible model, so both use TRITON_ATTN; the kernels stay the same for both.
-    - One prompt per generate call: the engine core starts stepping as soon as the first request
-      arrives, so how a multi-prompt batch is cut into steps is a race between the two runs, and
-      vLLM's kernels are not batch-invariant.
+    One prompt per generate call: the engine core starts stepping as soon as the first request
+    arrives, so how a multi-prompt batch is cut into steps is a race between two runs, and vLLM's
+    kernels are not batch-invariant. Default attention backend (FLASH_ATTN), as users run it.
     """
     ckpt, prompts = parity_prompts()
-    ours, stock = model_kwargs(ckpt, attention_backend="TRITON_ATTN")
+    ours, stock = model_kwargs(ckpt)
     batches = [[p] for p in prompts]
     return {"parity_ours": ({"llm": ours, "batches": batches}, 1),
-            "parity_stock": ({"llm": stock, "batches": batches}, 1)}
+            "parity_stock": ({"llm": stock, "batches": batches}, 1),
+            "parity_stock_again": ({"llm": stock, "batches": batches}, 1)}
 
 
-def parity_prompts():
-    """The tiny checkpoint and the parity prompts (LENGTHS tokens each)."""
-    ckpt = e2e.checkpoint("tiny")
+def parity_prompts(preset: str = "tiny"):
+    """The checkpoint and the parity prompts (LENGTHS tokens each)."""
+    ckpt = e2e.checkpoint(preset)
     return ckpt, e2e.prompt_ids(LENGTHS, vocab=e2e.vocab_size(ckpt), seed=1)
 
 
@@ -48,15 +54,21 @@ def model_kwargs(ckpt, **kw):
 
 @pytest.mark.engine_jobs(builder=parity_jobs)
 def test_same_tokens_and_logprobs_as_vllm_qwen3_5(engine_pool):
-    ours, stock = e2e.result(engine_pool, "parity_ours"), e2e.result(engine_pool, "parity_stock")
-    a, b = e2e.outputs(ours), e2e.outputs(stock)
-    cmp = e2e.compare(b, a)
-    same_tokens = all(x["token_ids"] == y["token_ids"] for x, y in zip(a, b))
-    report = {"lengths": LENGTHS, "same_tokens": same_tokens, **cmp}
-    print("parity ours vs vLLM Qwen3_5MoeForConditionalGeneration:", report)
-    e2e.save("parity", report)
-    assert same_tokens, report
-    assert cmp["max_logprob_diff"] <= 1e-3, report
+    ours, stock, again = (e2e.outputs(e2e.result(engine_pool, name))
+                          for name in ("parity_ours", "parity_stock", "parity_stock_again"))
+    rows = []
+    for n, a, b, c in zip(LENGTHS, ours, stock, again):
+        rows.append({"tokens": n, "ours_vs_vllm": e2e.compare([b], [a]), "ours_identical": a == b,
+                     "vllm_vs_vllm": e2e.compare([b], [c]), "vllm_identical": b == c})
+        print(f"{n:6d} tokens: ours vs vLLM max|dlogprob|={rows[-1]['ours_vs_vllm']['max_logprob_diff']:.4g}"
+              f" identical={a == b} | vLLM vs vLLM max|dlogprob|="
+              f"{rows[-1]['vllm_vs_vllm']['max_logprob_diff']:.4g} identical={b == c}")
+    e2e.save("parity", rows)
+    for r in rows:
+        cmp = r["ours_vs_vllm"]
+        assert cmp["ok"], r  # vLLM's check_logprobs_close rule, every prompt
+        if r["tokens"] <= REPRODUCIBLE_TOKENS:
+            assert not cmp["diverged_at"] and cmp["max_logprob_diff"] <= TOLERANCE, r
 
 
 def _serve_pcp1(gpus):
