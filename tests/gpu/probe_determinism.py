@@ -5,6 +5,7 @@
     python -m tests.gpu.probe_determinism attention
 
     python -m tests.gpu.probe_determinism processes [--backend B] [--models ours stock] [--preset P]
+        [--llm-kwargs '{"async_scheduling": false}']
 
 Runs our class and vLLM's Qwen3_5MoeForConditionalGeneration on the 4097- and 16384-token parity
 prompts, each prompt twice in one engine, in two engine processes per model, and prints max |dlogprob|
@@ -17,6 +18,7 @@ each twice in a row: which pairs (same process, other process, other model) agre
 """
 
 import argparse
+import json
 import sys
 
 from . import e2e
@@ -73,16 +75,17 @@ def by_attention_backend():
     return 0
 
 
-def across_processes(backend: str, models: list[str], preset: str):
+def across_processes(backend: str, models: list[str], preset: str, llm_kwargs: dict):
     """Each prompt twice in a row in each process: same process (repeat) and other process pairs."""
     ckpt, prompts = parity_prompts(preset)
     extra = e2e.prompt_ids((2048, 2049, 3000), vocab=e2e.vocab_size(ckpt), seed=2)
     chosen = [prompts[1], *extra, prompts[2], prompts[3]]
     batches = [[p] for p in chosen for _ in range(2)]
-    ours, stock = model_kwargs(ckpt, attention_backend=backend)
+    ours, stock = model_kwargs(ckpt, attention_backend=backend, **llm_kwargs)
     outs = _run({f"proc_{model}_{run}": ({"llm": llm, "batches": batches}, 1)
                  for model, llm in (("ours", ours), ("stock", stock)) if model in models for run in "ab"})
-    report = {"backend": backend, "preset": preset, "lengths": [len(p) for p in chosen]}
+    report = {"backend": backend, "preset": preset, "llm_kwargs": llm_kwargs,
+              "lengths": [len(p) for p in chosen]}
     pairs = [(f"{m} {r} repeat", f"proc_{m}_{r}", 0, f"proc_{m}_{r}", 1) for m in models for r in "ab"]
     pairs += [("ours a vs ours b", "proc_ours_a", 0, "proc_ours_b", 0),
               ("stock a vs stock b", "proc_stock_a", 0, "proc_stock_b", 0),
@@ -108,9 +111,10 @@ if __name__ == "__main__":
     parser.add_argument("--backend", default="TRITON_ATTN", help="processes: attention backend")
     parser.add_argument("--models", nargs="+", default=["ours", "stock"], choices=("ours", "stock"))
     parser.add_argument("--preset", default="tiny", help="processes: checkpoint preset (tiny, tiny-dense)")
+    parser.add_argument("--llm-kwargs", type=json.loads, default={}, help="processes: more LLM(...) kwargs (JSON)")
     args = parser.parse_args()
     if args.mode == "attention":
         sys.exit(by_attention_backend())
     if args.mode == "processes":
-        sys.exit(across_processes(args.backend, args.models, args.preset))
+        sys.exit(across_processes(args.backend, args.models, args.preset, args.llm_kwargs))
     sys.exit(main())
