@@ -58,10 +58,10 @@ def test_same_tokens_and_logprobs_as_vllm_qwen3_5(engine_pool):
                           for name in ("parity_ours", "parity_stock", "parity_stock_again"))
     rows = []
     for n, a, b, c in zip(LENGTHS, ours, stock, again):
-        theirs, noise = e2e.compare([b], [a]), e2e.compare([b], [c])
-        rows.append({"tokens": n, "ours_vs_vllm": theirs, "ours_identical": a == b,
+        gap, noise = e2e.compare([b], [a]), e2e.compare([b], [c])
+        rows.append({"tokens": n, "ours_vs_vllm": gap, "ours_identical": a == b,
                      "vllm_vs_vllm": noise, "vllm_identical": b == c})
-        print(f"{n:6d} tokens: ours vs vLLM max|dlogprob|={theirs['max_logprob_diff']:.4g} identical={a == b}"
+        print(f"{n:6d} tokens: ours vs vLLM max|dlogprob|={gap['max_logprob_diff']:.4g} identical={a == b}"
               f" | vLLM vs vLLM max|dlogprob|={noise['max_logprob_diff']:.4g} identical={b == c}")
     e2e.save("parity", rows)
     for r in rows:
