@@ -1,20 +1,14 @@
-"""Is vLLM itself reproducible on the parity prompts? (diagnostic, 2 GPUs)
+"""Is vLLM itself reproducible on long prompts? (diagnostic, 2 GPUs)
 
-    python -m tests.gpu.probe_determinism
-
-    python -m tests.gpu.probe_determinism attention
-
-    python -m tests.gpu.probe_determinism processes [--backend B] [--models ours stock] [--preset P]
+    python -m tests.gpu.probe_determinism [--backend B] [--models ours stock] [--preset P]
         [--llm-kwargs '{"async_scheduling": false}']
 
-Runs our class and vLLM's Qwen3_5MoeForConditionalGeneration on the 4097- and 16384-token parity
-prompts, each prompt twice in one engine, in two engine processes per model, and prints max |dlogprob|
-for every pair (same process, other process, other model). ``attention``: the 4097-token prompt three
-times in one engine per attention backend. ``processes``: both models in two engine processes each
-(side by side, one per GPU) on one backend (default TRITON_ATTN), prompts of 1000 to 16384 tokens,
-each twice in a row: which pairs (same process, other process, other model) agree to the bit.
-(vLLM's VLLM_BATCH_INVARIANT=1 mode refuses GDN models.) Results: benchmarks/results/
-2026-11-29-h200x2/determinism/ and 2026-11-30-h200x2/determinism_processes/.
+Runs our class and/or vLLM's Qwen3_5MoeForConditionalGeneration in two engine processes each (side by
+side, one per GPU) on one attention backend (default TRITON_ATTN), prompts of 1000 to 16384 tokens,
+each twice in a row, and prints which pairs (same process, other process, other model) agree to the
+bit and max |dlogprob| otherwise. (vLLM's VLLM_BATCH_INVARIANT=1 mode refuses GDN models.) Results:
+benchmarks/results/2026-11-30-h200x2/determinism_processes/; those in 2026-11-29-h200x2/determinism/
+came from the two earlier modes of this probe (commit c2b06e0), which this one covers.
 """
 
 import argparse
@@ -34,45 +28,6 @@ def _run(jobs: dict) -> dict:
         else:
             outs[name] = e2e.outputs(r)
     return outs
-
-
-def main():
-    ckpt, prompts = parity_prompts()
-    ours, stock = model_kwargs(ckpt)
-    batches = [[prompts[2]], [prompts[2]], [prompts[3]], [prompts[3]]]
-    outs = _run({f"det_{model}_{run}": ({"llm": llm, "batches": batches}, 1)
-                 for run in "ab" for model, llm in (("ours", ours), ("stock", stock))})
-    report = {}
-
-    def pair(label, x, i, y, j):
-        if x in outs and y in outs:
-            c = e2e.compare([outs[x][i]], [outs[y][j]])
-            report[label] = c
-            print(f"{label:58s} max|dlogprob|={c['max_logprob_diff']:.4g} diverged={c['diverged_at']}")
-
-    for k, length in ((0, 4097), (2, 16384)):
-        for m in ("ours", "stock"):
-            pair(f"{length}: {m} same process, repeat", f"det_{m}_a", k, f"det_{m}_a", k + 1)
-        pair(f"{length}: ours process a vs b", "det_ours_a", k, "det_ours_b", k)
-        pair(f"{length}: stock process a vs b", "det_stock_a", k, "det_stock_b", k)
-        pair(f"{length}: ours a vs stock a", "det_ours_a", k, "det_stock_a", k)
-        pair(f"{length}: ours b vs stock b", "det_ours_b", k, "det_stock_b", k)
-    e2e.save("probe_determinism", report)
-    return 0
-
-
-def by_attention_backend():
-    """The 4097-token prompt three times in one engine, per attention backend: which part repeats."""
-    ckpt, prompts = parity_prompts()
-    jobs = {f"det_{backend}": ({"llm": model_kwargs(ckpt, attention_backend=backend)[0],
-                                "batches": [[prompts[2]]] * 3}, 1)
-            for backend in ("FLASH_ATTN", "TRITON_ATTN")}
-    for name, o in _run(jobs).items():
-        for i in (1, 2):
-            c = e2e.compare([o[0]], [o[i]])
-            print(f"{name}: run 0 vs run {i}: max|dlogprob|={c['max_logprob_diff']:.4g} "
-                  f"diverged={c['diverged_at']} identical={o[0] == o[i]}")
-    return 0
 
 
 def across_processes(backend: str, models: list[str], preset: str, llm_kwargs: dict):
@@ -107,14 +62,9 @@ def across_processes(backend: str, models: list[str], preset: str, llm_kwargs: d
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="pairs", choices=("pairs", "attention", "processes"))
-    parser.add_argument("--backend", default="TRITON_ATTN", help="processes: attention backend")
+    parser.add_argument("--backend", default="TRITON_ATTN", help="attention backend")
     parser.add_argument("--models", nargs="+", default=["ours", "stock"], choices=("ours", "stock"))
-    parser.add_argument("--preset", default="tiny", help="processes: checkpoint preset (tiny, tiny-dense)")
-    parser.add_argument("--llm-kwargs", type=json.loads, default={}, help="processes: more LLM(...) kwargs (JSON)")
+    parser.add_argument("--preset", default="tiny", help="checkpoint preset (tiny, tiny-dense)")
+    parser.add_argument("--llm-kwargs", type=json.loads, default={}, help="more LLM(...) kwargs (JSON)")
     args = parser.parse_args()
-    if args.mode == "attention":
-        sys.exit(by_attention_backend())
-    if args.mode == "processes":
-        sys.exit(across_processes(args.backend, args.models, args.preset, args.llm_kwargs))
-    sys.exit(main())
+    sys.exit(across_processes(args.backend, args.models, args.preset, args.llm_kwargs))

@@ -18,7 +18,7 @@ LENGTHS = (17, 1000, 4097, 16384)
 # Prompts up to this length repeated bit for bit in every vLLM run measured (the 1000-token prompt in
 # 15 pairs of processes and 2 repeats within one, both models, FLASH_ATTN and TRITON_ATTN). From ~2k
 # tokens on, vLLM differs from itself: the same prompt twice in one engine by up to 0.20 in max
-# |dlogprob|, two processes by up to 0.53 (``python -m tests.gpu.probe_determinism processes``).
+# |dlogprob|, two processes by up to 0.53 (``python -m tests.gpu.probe_determinism``).
 REPRODUCIBLE_TOKENS = 1000
 TOLERANCE = 1e-3
 

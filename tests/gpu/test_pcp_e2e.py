@@ -56,6 +56,9 @@ def _results(pool, case, parallel=PARALLEL):
     return {name: e2e.result(pool, f"{case}_{name}") for name in parallel}
 
 
+CASE1_LENGTHS = (1, 3, 1000, 4097, 20000, 65536)
+
+
 def case1_jobs():
     ckpt = e2e.checkpoint("tiny")
     vocab = e2e.vocab_size(ckpt)
@@ -69,9 +72,6 @@ def case1_jobs():
         return s
 
     return _jobs("case1_unequal_batch", spec)
-
-
-CASE1_LENGTHS = (1, 3, 1000, 4097, 20000, 65536)
 
 
 @pytest.mark.engine_jobs(builder=case1_jobs)
@@ -107,7 +107,6 @@ def case2_3_jobs():
         "llm": e2e.base_llm_kwargs(ckpt, max_num_batched_tokens=4096 if name in NOISE_FLOOR else 2048,
                                    enable_prefix_caching=True, enforce_eager=True, max_model_len=21000),
         "batches": [long_prompt, [prefix + a], [prefix + b]]}, {**PARALLEL, **NOISE_FLOOR})
-
 
 
 @pytest.mark.engine_jobs(builder=case2_3_jobs)
