@@ -249,6 +249,8 @@ def runner_split_steps() -> None:
             global _worker_kv_replicated
             if uses_pcp(vllm_config):
                 _worker_kv_replicated = True
+                if race_free_gdn_kkt_wanted(pcp=True):
+                    race_free_gdn_kkt()
             orig(self, vllm_config, *args, **kwargs)
 
         return __init__
@@ -332,6 +334,53 @@ def _same_sample_rows(runner, state: RunnerPCPState, hidden: torch.Tensor) -> to
     return hidden
 
 
+# ============================================================ vLLM 0.20.2: GDN prefill kernel race
+DETERMINISTIC_GDN_ENV = "QWEN36_PCP_DETERMINISTIC_GDN"
+
+
+def race_free_gdn_kkt() -> bool:
+    """Keep vLLM's GDN ``chunk_scaled_dot_kkt_fwd`` kernel to its autotune configs without a race.
+
+    In vLLM 0.20.2 (Triton 3.6, H200) this kernel (beta * K K^T per 64-token chunk, the first step
+    of every GDN prefill) gives different results for identical inputs under 9 of its 27 autotune
+    configs, all of which loop over K in blocks of 32 or 64 with 4 or 8 warps (up to 10 distinct
+    outputs in 10 runs, entries off by up to 2e-2), and its autotuner may pick one of them. That is
+    why vLLM's own answers to a prompt of more than ~2k tokens changed from run to run. The configs
+    with BK == 128 cover Qwen3.6's K = 128 in one block and were bitwise repeatable (10 of 10 runs
+    each; ``python -m tests.gpu.probe_gdn_kernels --sweep-configs``). Idempotent; False when this
+    vLLM's kernel has no such config (then nothing changes).
+    """
+    from vllm.model_executor.layers.fla.ops import chunk_scaled_dot_kkt
+
+    # @heuristics -> @autotune -> @jit (without a GPU vLLM puts a plain function there)
+    tuner = getattr(chunk_scaled_dot_kkt.chunk_scaled_dot_kkt_fwd_kernel, "fn", None)
+    return tuner is not None and keep_autotune_configs(tuner, lambda c: c.kwargs.get("BK") == 128)
+
+
+def keep_autotune_configs(tuner, keep) -> bool:
+    """Restrict a Triton autotuner to the configs ``keep`` accepts, once (False: none would remain)."""
+    if getattr(tuner, _PATCHED_MARK, None) is not None:
+        return True
+    configs = list(getattr(tuner, "configs", None) or [])
+    kept = [c for c in configs if keep(c)]
+    if not kept:
+        return False
+    setattr(tuner, _PATCHED_MARK, configs)
+    tuner.configs = kept
+    tuner.cache.clear()  # choices made among the old configs (the on-disk cache keys on the list)
+    return True
+
+
+def race_free_gdn_kkt_wanted(pcp: bool) -> bool:
+    """On by default where PCP runs (pcp > 1, our model); ``QWEN36_PCP_DETERMINISTIC_GDN=1`` turns it
+    on in every vLLM process (pcp == 1 and vLLM's own models included: for exact comparisons),
+    ``=0`` turns it off everywhere."""
+    import os
+
+    value = os.environ.get(DETERMINISTIC_GDN_ENV, "").strip()
+    return value == "1" or (pcp and value != "0")
+
+
 # ==================================================================================== install
 def install() -> None:
     """Install every hook (idempotent). ``register()`` calls it only on vLLM 0.20.2."""
@@ -344,4 +393,6 @@ def install() -> None:
     replicated_kv_memory_sizing()
     replicated_kv_block_tables()
     runner_split_steps()
+    if race_free_gdn_kkt_wanted(pcp=False):
+        race_free_gdn_kkt()
     _installed = True

@@ -239,3 +239,40 @@ def test_runner_plan_from_step_inputs():
     assert np.array_equal(plans[0].local_full_idx, plans[1].local_full_idx)
     state.config = PCPConfig(min_split_tokens=100000)
     assert state.plan(runner, 3712) is None  # nothing to split: the step runs unsplit
+
+
+# ------------------------------------------------------- vLLM 0.20.2's GDN kernel race (workaround)
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_gdn_kkt_race_workaround_wanted(monkeypatch, env):
+    from qwen36_pcp.runner_hooks import DETERMINISTIC_GDN_ENV, race_free_gdn_kkt_wanted
+
+    if env is None:
+        monkeypatch.delenv(DETERMINISTIC_GDN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DETERMINISTIC_GDN_ENV, env)
+    # default: only where PCP runs (the runner hook asks with pcp=True for our model at pcp > 1)
+    assert race_free_gdn_kkt_wanted(pcp=True) == (env != "0")
+    assert race_free_gdn_kkt_wanted(pcp=False) == (env == "1")
+
+
+def test_gdn_kkt_race_workaround_keeps_single_k_block_configs():
+    """On a real Triton autotuner with vLLM 0.20.2's config grid for chunk_scaled_dot_kkt_fwd."""
+    import triton
+
+    from qwen36_pcp.runner_hooks import _PATCHED_MARK, keep_autotune_configs, race_free_gdn_kkt
+
+    def kernel(K):
+        pass
+
+    grid = [triton.Config({"BK": bk}, num_warps=w, num_stages=s)
+            for bk in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
+    tuner = triton.autotune(configs=grid, key=["K"])(triton.jit(kernel))
+    tuner.cache[("stale",)] = grid[0]
+    assert keep_autotune_configs(tuner, lambda c: c.kwargs["BK"] == 128)
+    assert [c.kwargs["BK"] for c in tuner.configs] == [128] * 9 and not tuner.cache
+    assert keep_autotune_configs(tuner, lambda c: False)  # idempotent: applied once
+    assert len(tuner.configs) == 9 and len(getattr(tuner, _PATCHED_MARK)) == 27
+    other = triton.autotune(configs=grid[:3], key=["K"])(triton.jit(kernel))
+    assert not keep_autotune_configs(other, lambda c: c.kwargs["BK"] == 128)  # nothing left: untouched
+    assert len(other.configs) == 3
+    assert race_free_gdn_kkt() is False  # no GPU: vLLM has a plain function there; nothing changes

@@ -18,6 +18,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = {"architectures": ["Qwen3_6ForCausalLM"]}
+# vLLM 0.20.2's GDN kernel chunk_scaled_dot_kkt_fwd races under some autotune configs, so vLLM did
+# not repeat its own answers past ~2k tokens (qwen36_pcp.runner_hooks.race_free_gdn_kkt). Every
+# engine and server here, pcp=1, tp=2 and vLLM's own model included, runs without the race, so a
+# comparison measures the two setups and not the race. QWEN36_PCP_DETERMINISTIC_GDN=0 in the
+# environment overrides this (to see vLLM as it is).
+CHILD_ENV = {"QWEN36_PCP_DETERMINISTIC_GDN": "1"}
+
+
+def child_env(gpus: str | None = None, **extra) -> dict:
+    env = {**CHILD_ENV, **os.environ, **extra}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return env
 
 
 def base_llm_kwargs(model: str, **kw) -> dict:
@@ -36,7 +49,7 @@ def prompt_ids(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------ child side
-def _outputs(results):
+def request_outputs(results):
     out = []
     for r in results:
         c = r.outputs[0]
@@ -62,7 +75,7 @@ def run_engine(spec: dict) -> dict:
         batch = [batch] if batch and isinstance(batch[0], int) else batch
         t1 = time.time()
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
-        result["runs"].append({"outputs": _outputs(res), "seconds": time.time() - t1})
+        result["runs"].append({"outputs": request_outputs(res), "seconds": time.time() - t1})
     for action in spec.get("actions", []):
         result[action] = ACTIONS[action](llm, spec)
     t2 = time.time()
@@ -132,9 +145,7 @@ def serve(args: list[str], requests, timeout: float = 400, name: str = "serve",
 
     port = 8000 + (os.getpid() + sum(map(ord, name))) % 1000
     log_path = out_dir() / f"{name}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = gpus
+    env = child_env(gpus, HF_HUB_OFFLINE="1")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
                                  "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -205,9 +216,7 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         log_path = out_dir() / f"{name}.log"
-        env = dict(os.environ)
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
+        env = child_env(gpus)
         t0 = time.time()
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.e2e", "engine", str(spec_path),

@@ -1,14 +1,18 @@
-"""Is vLLM itself reproducible on long prompts? (diagnostic, 2 GPUs)
+"""Is vLLM itself reproducible on long prompts? (diagnostic, 1 or 2 GPUs)
 
     python -m tests.gpu.probe_determinism [--backend B] [--models ours stock] [--preset P]
         [--llm-kwargs '{"async_scheduling": false}']
 
 Runs our class and/or vLLM's Qwen3_5MoeForConditionalGeneration in two engine processes each (side by
-side, one per GPU) on one attention backend (default TRITON_ATTN), prompts of 1000 to 16384 tokens,
-each twice in a row, and prints which pairs (same process, other process, other model) agree to the
-bit and max |dlogprob| otherwise. (vLLM's VLLM_BATCH_INVARIANT=1 mode refuses GDN models.) Results:
-benchmarks/results/2026-11-30-h200x2/determinism_processes/; those in 2026-11-29-h200x2/determinism/
-came from the two earlier modes of this probe (commit c2b06e0), which this one covers.
+side, one per GPU, or one after the other on one GPU) on one attention backend (default
+TRITON_ATTN), prompts of 1000 to 16384 tokens, each twice in a row, and prints which pairs (same
+process, other process, other model) agree to the bit and max |dlogprob| otherwise. (vLLM's
+VLLM_BATCH_INVARIANT=1 mode refuses GDN models.)
+
+The engines run without vLLM 0.20.2's GDN kernel race (``e2e.CHILD_ENV``): every pair then agrees to
+the bit (benchmarks/results/2026-12-01-h200/determinism_root_cause/). With
+QWEN36_PCP_DETERMINISTIC_GDN=0 it shows vLLM as it is: up to 0.53 apart past ~2k tokens
+(2026-11-30-h200x2/determinism_processes/). probe_layer_determinism and probe_gdn_kernels found why.
 """
 
 import argparse

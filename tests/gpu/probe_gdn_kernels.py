@@ -1,0 +1,148 @@
+"""Are vLLM's GDN prefill kernels deterministic on their own? (diagnostic, 1 GPU, no engine)
+
+    python -m tests.gpu.probe_gdn_kernels [--lengths 2049 4097 16384] [--runs 20] [--shape tiny|35b]
+    python -m tests.gpu.probe_gdn_kernels --sweep-configs --lengths 16384 --runs 10
+
+Runs each step of vLLM's ``chunk_gated_delta_rule`` (and the whole) ``--runs`` times on fixed random
+inputs, with the memory the caching allocator hands out refilled with garbage between runs, and
+prints how many distinct outputs each gave and, for a nondeterministic one, where they differ.
+``--sweep-configs`` pins ``chunk_scaled_dot_kkt_fwd`` to each of its autotune configs in turn.
+On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
+configs; the BK=128 ones were exact. ``qwen36_pcp.runner_hooks.race_free_gdn_kkt`` keeps those.
+"""
+
+import argparse
+import sys
+
+import torch
+
+SHAPES = {"tiny": (4, 8, 128), "35b": (16, 32, 128)}  # key heads, value heads, head dim
+
+
+def _inputs(T: int, hk: int, hv: int, d: int, seed: int = 0):
+    from vllm.model_executor.layers.fla.ops.index import prepare_chunk_indices, prepare_chunk_offsets
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = dict(device="cuda")
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, **dev).to(dtype)
+
+    q, k = (torch.nn.functional.normalize(rand(1, T, hk, d).float(), dim=-1).to(torch.bfloat16)
+            for _ in range(2))
+    v = rand(1, T, hv, d)
+    g = -torch.nn.functional.softplus(rand(1, T, hv, dtype=torch.float32))  # log decay < 0
+    beta = torch.sigmoid(rand(1, T, hv, dtype=torch.float32))
+    cu = torch.tensor([0, T], dtype=torch.int32, **dev)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu,
+                chunk_indices=prepare_chunk_indices(cu.cpu(), 64).cuda(),
+                chunk_offsets=prepare_chunk_offsets(cu.cpu(), 64).cuda(),
+                h0=torch.zeros(1, hv, d, d, dtype=torch.float32, **dev))
+
+
+def _steps(x):
+    """name -> zero-argument call, each step fed the (fixed) output of the steps before it."""
+    from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
+    from vllm.model_executor.layers.fla.ops.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+    from vllm.model_executor.layers.fla.ops.cumsum import chunk_local_cumsum
+    from vllm.model_executor.layers.fla.ops.solve_tril import solve_tril
+
+    meta = dict(cu_seqlens=x["cu_seqlens"], chunk_indices=x["chunk_indices"])
+    gc = chunk_local_cumsum(x["g"], chunk_size=64, **meta)
+    A = chunk_scaled_dot_kkt_fwd(k=x["k"], beta=x["beta"], g=gc, output_dtype=torch.float32, **meta)
+    return {
+        "chunk_local_cumsum": lambda: chunk_local_cumsum(x["g"], chunk_size=64, **meta),
+        "chunk_scaled_dot_kkt_fwd": lambda: chunk_scaled_dot_kkt_fwd(
+            k=x["k"], beta=x["beta"], g=gc, output_dtype=torch.float32, **meta),
+        "solve_tril": lambda: solve_tril(A=A, output_dtype=x["k"].dtype, **meta),
+        "chunk_gated_delta_rule": lambda: chunk_gated_delta_rule(
+            q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], initial_state=x["h0"].clone(),
+            output_final_state=True, chunk_offsets=x["chunk_offsets"], **meta),
+    }
+
+
+def _garbage(fill: float):
+    """Hand the next allocations memory full of ``fill`` (what torch.empty would expose)."""
+    junk = torch.full((1 << 28,), fill, dtype=torch.float32, device="cuda")
+    del junk
+
+
+def _describe(ref: torch.Tensor, other: torch.Tensor) -> str:
+    bad = (ref != other) & ~(ref.isnan() & other.isnan())
+    idx = bad.nonzero()
+    if not len(idx):
+        return "same values, different bits (NaN payloads?)"
+    finite = ref.isfinite() & other.isfinite() & bad
+    diff = (ref[finite].float() - other[finite].float()).abs().max().item() if finite.any() else None
+    return (f"{bad.sum().item()} of {ref.numel()} elements differ, max |diff| {diff}, "
+            f"non-finite involved: {(bad & ~finite).sum().item()}; first indices {idx[:4].tolist()}; "
+            f"token index mod 64 of differing: {sorted(set((idx[:, 1] % 64).tolist()))[:16]}")
+
+
+def _distinct(call, runs: int) -> list:
+    fills = [float("nan"), 1e30, -1e30, 0.0, 123.0]
+    distinct = []
+    for r in range(runs):
+        _garbage(fills[r % len(fills)])
+        out = call()
+        out = (out[0] if isinstance(out, tuple) else out).clone()
+        if not any(torch.equal(out.view(torch.uint8), u.view(torch.uint8)) for u in distinct):
+            distinct.append(out)
+    return distinct
+
+
+def sweep_kkt_configs(args) -> int:
+    """chunk_scaled_dot_kkt_fwd pinned to each of its autotune configs in turn; then fla's own."""
+    from vllm.model_executor.layers.fla.ops import chunk_scaled_dot_kkt as mod
+
+    tuner = mod.chunk_scaled_dot_kkt_fwd_kernel.fn
+    hk, hv, d = SHAPES[args.shape]
+    T = args.lengths[-1]
+    x = _inputs(T, hk, hv, d)
+    step = _steps(x)["chunk_scaled_dot_kkt_fwd"]
+    step()
+    print(f"autotuner's choice: {dict(tuner.cache)}", flush=True)
+    configs = list(tuner.configs)
+    try:
+        for cfg in configs:
+            tuner.configs, tuner.cache = [cfg], {}
+            n = len(_distinct(step, args.runs))
+            print(f"{args.shape} T={T} {cfg}: {n} distinct outputs in {args.runs} runs", flush=True)
+    finally:
+        tuner.configs, tuner.cache = configs, {}
+    try:
+        from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd as fla_kkt
+    except ImportError as e:
+        print(f"fla-core not importable: {e}")
+        return 0
+    n = len(_distinct(lambda: fla_kkt(k=x["k"], g=x["g"], beta=x["beta"], cu_seqlens=x["cu_seqlens"],
+                                      chunk_indices=x["chunk_indices"]), args.runs))
+    print(f"{args.shape} T={T} fla-core's chunk_scaled_dot_kkt_fwd: {n} distinct outputs", flush=True)
+    return 0
+
+
+def main(args) -> int:
+    if args.sweep_configs:
+        return sweep_kkt_configs(args)
+    hk, hv, d = SHAPES[args.shape]
+    bad_total = 0
+    for T in args.lengths:
+        x = _inputs(T, hk, hv, d)
+        for name, call in _steps(x).items():
+            distinct = _distinct(call, args.runs)
+            bad_total += len(distinct) > 1
+            line = f"{args.shape} T={T:6d} {name:26s}: {len(distinct)} distinct outputs in {args.runs} runs"
+            if len(distinct) > 1:
+                line += " -- " + _describe(distinct[0], distinct[1])
+            print(line, flush=True)
+    return 0 if bad_total == 0 else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1000, 2049, 3000, 4097, 16384])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--sweep-configs", action="store_true",
+                        help="chunk_scaled_dot_kkt_fwd under each autotune config (longest length)")
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    sys.exit(main(parser.parse_args()))
