@@ -3,7 +3,13 @@
     python -m tests.gpu.e2e engine SPEC.json OUT.json     # one engine: run prompts, dump outputs
 
 ``SPEC.json``: {"llm": {...LLM kwargs...}, "prompts": [[token ids], ...], "max_tokens": 32,
-"logprobs": 5, "actions": [...optional...]}.
+"logprobs": 5, "actions": [...optional...], "engine_core_in_process": false}.
+
+With ``engine_core_in_process`` the engine core runs in the engine's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0; workers stay processes of their own). Then ``generate`` hands the
+scheduler every prompt of a batch before the first step. With the engine core in its own process,
+that process starts stepping as soon as the first request arrives, so how a batch is cut into steps
+varies from run to run, and vLLM's kernels are not batch-invariant.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ def request_outputs(results):
 
 
 def run_engine(spec: dict) -> dict:
+    if spec.get("engine_core_in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

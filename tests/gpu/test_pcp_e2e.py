@@ -65,7 +65,9 @@ def case1_jobs():
     prompts = e2e.prompt_ids(CASE1_LENGTHS, vocab, seed=2)
 
     def spec(name):
-        s = {"llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True), "prompts": prompts}
+        # one batch: every engine must cut it into the same steps (see e2e's docstring)
+        s = {"llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True), "prompts": prompts,
+             "engine_core_in_process": True}
         if name == "pcp2":
             s["actions"] = ["max_tokens_one", "abort_mid_prefill"]
             s["abort_prompt"] = e2e.prompt_ids((30000,), vocab, seed=3)[0]
