@@ -3,7 +3,8 @@
 Each hook is named after what it fixes, is installed at most once per process (``install`` is
 idempotent; ``qwen36_pcp.register`` installs them only on vLLM 0.20.2), and acts only when the running
 model is ``Qwen3_6ForCausalLM`` with prefill_context_parallel_size > 1; otherwise it calls vLLM's code
-unchanged.
+unchanged. One opt-in exception: ``QWEN36_PCP_DETERMINISTIC_GDN=1`` applies the workaround for vLLM's
+GDN kernel race (``race_free_gdn_kkt``) in every process, for exact comparisons at pcp == 1.
 
 KV cache under PCP: vLLM 0.20.2 would SHARD the KV cache over PCP ranks (and rejects hybrid models).
 We keep it REPLICATED: every PCP rank holds the whole KV cache and every request's GDN states, so block
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import numpy as np
 import torch
@@ -354,7 +356,15 @@ def race_free_gdn_kkt() -> bool:
 
     # @heuristics -> @autotune -> @jit (without a GPU vLLM puts a plain function there)
     tuner = getattr(chunk_scaled_dot_kkt.chunk_scaled_dot_kkt_fwd_kernel, "fn", None)
-    return tuner is not None and keep_autotune_configs(tuner, lambda c: c.kwargs.get("BK") == 128)
+    if tuner is None:
+        return False
+    first = getattr(tuner, _PATCHED_MARK, None) is None
+    applied = keep_autotune_configs(tuner, lambda c: c.kwargs.get("BK") == 128)
+    if applied and first:  # under vLLM's logger, so that it shows in the engine's log
+        logging.getLogger("vllm.qwen36_pcp").info(
+            "qwen36_pcp: vLLM's GDN kernel chunk_scaled_dot_kkt_fwd kept to its race-free autotune "
+            "configs (BK=128; %s=0 turns this off)", DETERMINISTIC_GDN_ENV)
+    return applied
 
 
 def keep_autotune_configs(tuner, keep) -> bool:

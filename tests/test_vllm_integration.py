@@ -255,9 +255,10 @@ def test_gdn_kkt_race_workaround_wanted(monkeypatch, env):
     assert race_free_gdn_kkt_wanted(pcp=False) == (env == "1")
 
 
-def test_gdn_kkt_race_workaround_keeps_single_k_block_configs():
+def test_gdn_kkt_race_workaround_keeps_single_k_block_configs(monkeypatch):
     """On a real Triton autotuner with vLLM 0.20.2's config grid for chunk_scaled_dot_kkt_fwd."""
     import triton
+    from vllm.model_executor.layers.fla.ops import chunk_scaled_dot_kkt
 
     from qwen36_pcp.runner_hooks import _PATCHED_MARK, keep_autotune_configs, race_free_gdn_kkt
 
@@ -276,3 +277,8 @@ def test_gdn_kkt_race_workaround_keeps_single_k_block_configs():
     assert not keep_autotune_configs(other, lambda c: c.kwargs["BK"] == 128)  # nothing left: untouched
     assert len(other.configs) == 3
     assert race_free_gdn_kkt() is False  # no GPU: vLLM has a plain function there; nothing changes
+    # where vLLM has the autotuned kernel (@heuristics around @autotune): applied, once
+    vllm_kernel = SimpleNamespace(fn=triton.autotune(configs=grid, key=["K"])(triton.jit(kernel)))
+    monkeypatch.setattr(chunk_scaled_dot_kkt, "chunk_scaled_dot_kkt_fwd_kernel", vllm_kernel)
+    assert race_free_gdn_kkt() and race_free_gdn_kkt()
+    assert [c.kwargs["BK"] for c in vllm_kernel.fn.configs] == [128] * 9
