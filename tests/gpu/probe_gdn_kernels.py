@@ -6,7 +6,8 @@
 Runs each step of vLLM's ``chunk_gated_delta_rule`` (and the whole) ``--runs`` times on fixed random
 inputs, with the memory the caching allocator hands out refilled with garbage between runs, and
 prints how many distinct outputs each gave and, for a nondeterministic one, where they differ.
-``--sweep-configs`` pins ``chunk_scaled_dot_kkt_fwd`` to each of its autotune configs in turn.
+``--sweep-configs`` pins ``chunk_scaled_dot_kkt_fwd`` to each of its autotune configs in turn and
+times it (what keeping only the race-free ones costs).
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
 configs; the BK=128 ones were exact. ``qwen36_pcp.runner_hooks.race_free_gdn_kkt`` keeps those.
 """
@@ -100,14 +101,18 @@ def sweep_kkt_configs(args) -> int:
     T = args.lengths[-1]
     x = _inputs(T, hk, hv, d)
     step = _steps(x)["chunk_scaled_dot_kkt_fwd"]
+    from triton.testing import do_bench
+
     step()
-    print(f"autotuner's choice: {dict(tuner.cache)}", flush=True)
+    print(f"autotuner's choice: {[str(c) for c in tuner.cache.values()]}", flush=True)
     configs = list(tuner.configs)
     try:
         for cfg in configs:
             tuner.configs, tuner.cache = [cfg], {}
             n = len(_distinct(step, args.runs))
-            print(f"{args.shape} T={T} {cfg}: {n} distinct outputs in {args.runs} runs", flush=True)
+            ms = do_bench(step)
+            print(f"{args.shape} T={T} {cfg}: {n} distinct outputs in {args.runs} runs, {ms:.4f} ms",
+                  flush=True)
     finally:
         tuner.configs, tuner.cache = configs, {}
     try:
