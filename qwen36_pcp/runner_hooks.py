@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
 
 import numpy as np
 import torch
@@ -385,8 +386,6 @@ def race_free_gdn_kkt_wanted(pcp: bool) -> bool:
     """On by default where PCP runs (pcp > 1, our model); ``QWEN36_PCP_DETERMINISTIC_GDN=1`` turns it
     on in every vLLM process (pcp == 1 and vLLM's own models included: for exact comparisons),
     ``=0`` turns it off everywhere."""
-    import os
-
     value = os.environ.get(DETERMINISTIC_GDN_ENV, "").strip()
     return value == "1" or (pcp and value != "0")
 

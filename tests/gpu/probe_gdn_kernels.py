@@ -94,6 +94,7 @@ def _distinct(call, runs: int) -> list:
 
 def sweep_kkt_configs(args) -> int:
     """chunk_scaled_dot_kkt_fwd pinned to each of its autotune configs in turn; then fla's own."""
+    from triton.testing import do_bench
     from vllm.model_executor.layers.fla.ops import chunk_scaled_dot_kkt as mod
 
     tuner = mod.chunk_scaled_dot_kkt_fwd_kernel.fn
@@ -101,8 +102,6 @@ def sweep_kkt_configs(args) -> int:
     T = args.lengths[-1]
     x = _inputs(T, hk, hv, d)
     step = _steps(x)["chunk_scaled_dot_kkt_fwd"]
-    from triton.testing import do_bench
-
     step()
     print(f"autotuner's choice: {[str(c) for c in tuner.cache.values()]}", flush=True)
     configs = list(tuner.configs)

@@ -80,20 +80,6 @@ def _wrap_functions():
             setattr(mod, name, wrapper)
 
 
-def _first_differing_calls(ref, other, limit=3):
-    """First wrapped calls whose outputs differ, with the input positions that differed too."""
-    found = []
-    for (name, ref_in, ref_out), (name2, in_, out) in zip(ref, other):
-        if name != name2:
-            return found + [{"call": "<call sequence differs>"}]
-        if out != ref_out:
-            found.append({"call": name, "inputs_differing": [i for i, (x, y) in
-                                                             enumerate(zip(ref_in, in_)) if x != y]})
-            if len(found) == limit:
-                break
-    return found
-
-
 def _install_hooks(model):
     """Hooks on every named module; records (name, input fp, output fp) per prefill-sized call."""
     model._probe_log, model._probe_handles = [], []
@@ -101,7 +87,7 @@ def _install_hooks(model):
     def hook(module, args, output):
         out = _fingerprint(output)
         if out is not None:
-            model._probe_log.append((module._probe_name, _fingerprint(args), out))
+            model._probe_log.append((module._probe_name, [_fingerprint(args)], out))
 
     for name, module in model.named_modules():
         module._probe_name = name
@@ -120,14 +106,17 @@ def _remove_hooks(model):
     return len(model._probe_handles)
 
 
-def _first_differences(ref, other, limit=4):
-    """First modules (call order) whose output differs; 'origin' when their input was identical."""
+def _first_differences(ref, other, limit=3):
+    """First entries (call order) of two logs of (name, input fps, output fp) whose output differs,
+    with the positions of the inputs that differed (or were not fingerprinted): an entry whose
+    inputs all agree is where the difference starts."""
     if [r[0] for r in ref] != [o[0] for o in other]:
-        return [{"module": "<call sequence differs>"}]
+        return [{"at": "<call sequence differs>"}]
     found = []
     for (name, ref_in, ref_out), (_, in_, out) in zip(ref, other):
         if out != ref_out:
-            found.append({"module": name, "origin": in_ == ref_in and in_ is not None})
+            found.append({"at": name, "inputs_differing": [
+                i for i, (x, y) in enumerate(zip(ref_in, in_)) if x != y or x is None]})
             if len(found) == limit:
                 break
     return found
@@ -164,9 +153,9 @@ def main(args) -> int:
             for k in range(1, args.repeats):
                 cmp = e2e.compare(runs[0], runs[k])
                 rep = {"identical": runs[k] == runs[0], **cmp,
-                       "first_differing_calls": _first_differing_calls(calls[0], calls[k])}
+                       "first_differing_calls": _first_differences(calls[0], calls[k])}
                 if hooked:
-                    rep["first_differences"] = _first_differences(logs[0], logs[k])
+                    rep["first_differences"] = _first_differences(logs[0], logs[k], limit=4)
                     rep["prefill_calls"] = len(logs[k])
                 row["repeats"].append(rep)
                 where = f" first differing modules: {rep['first_differences']}" if hooked else ""
