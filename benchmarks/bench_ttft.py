@@ -1,9 +1,14 @@
 """Time to first token vs prompt length: pcp=1, tp=2, pcp=2 (state passing), pcp=2 (island).
 
 Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no download), eager, the
-whole prompt in one prefill step. Needs 2 GPUs; prints a table and writes JSON + PNG:
+whole prompt in one prefill step. Needs 2 GPUs (pcp1 alone: 1); prints a table and writes JSON + PNG:
 
     python benchmarks/bench_ttft.py --out bench_results --tokens 32768 131072
+
+Every config runs the same GDN kernel configs: ``--kkt-configs race_free`` (default) keeps vLLM's
+``chunk_scaled_dot_kkt_fwd`` to its race-free autotune configs in every engine, as PCP does
+(qwen36_pcp.runner_hooks.race_free_gdn_kkt); ``all`` lets the autotuner pick from all of them, as
+vLLM does (at pcp=2 too). Run both on pcp1 to see what the workaround costs.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ CONFIGS = {
 }
 
 
+KKT_ENV = {"race_free": "1", "all": "0"}  # -> QWEN36_PCP_DETERMINISTIC_GDN in every engine
+
+
 def child(model: str, config: str, tokens: list[int], reps: int, path: str) -> None:
     """Writes {tokens: median seconds} to path after each length (a cut-off run keeps what it measured)."""
     from vllm import LLM, SamplingParams
@@ -39,7 +47,7 @@ def child(model: str, config: str, tokens: list[int], reps: int, path: str) -> N
               max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0,
               enable_prefix_caching=False, **CONFIGS[config])  # every rep a full prefill
     sp = SamplingParams(max_tokens=1, temperature=0.0)
-    out = {}
+    out = {"kkt_configs": os.environ.get("QWEN36_PCP_KKT_CONFIGS", "?")}
     for n in tokens:
         prompt = TokensPrompt(prompt_token_ids=[(i * 7919) % 200000 + 10 for i in range(n)])
         llm.generate([prompt], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
@@ -59,6 +67,7 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--kkt-configs", choices=list(KKT_ENV), default="race_free")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None)
     parser.add_argument("--report-only", action="store_true",
@@ -84,8 +93,10 @@ def measure(args) -> None:
         path = os.path.join(args.out, f"ttft_{config}.json")
         cmd = [sys.executable, __file__, "--model", model, "--tokens", *map(str, args.tokens),
                "--reps", str(args.reps), "--child", config, path]
+        env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[args.kkt_configs],
+                   QWEN36_PCP_KKT_CONFIGS=args.kkt_configs)
         with open(os.path.join(args.out, f"ttft_{config}.log"), "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if rc != 0:
             print(f"{config}: exit {rc}, see {log.name}")
 
@@ -96,7 +107,9 @@ def report(out: str, configs: list[str], tokens: list[int]) -> None:
     for c in configs:
         path = os.path.join(out, f"ttft_{c}.json")
         table[c] = json.load(open(path)) if os.path.exists(path) else {}
-    print("TTFT (s), Qwen3.6-35B-A3B shape, dummy weights, one prefill step, eager; (x) = speedup vs pcp1")
+    kkt = sorted({str(table[c].get("kkt_configs", "?")) for c in configs if table[c]})
+    print("TTFT (s), Qwen3.6-35B-A3B shape, dummy weights, one prefill step, eager; (x) = speedup vs pcp1;"
+          f" GDN kkt configs: {'/'.join(kkt)}")
     print(f"{'tokens':>8} | " + " | ".join(f"{c:>26}" for c in configs))
     for n in tokens:
         base = table.get("pcp1", {}).get(str(n), float("nan"))

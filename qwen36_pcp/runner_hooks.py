@@ -345,13 +345,14 @@ def race_free_gdn_kkt() -> bool:
     """Keep vLLM's GDN ``chunk_scaled_dot_kkt_fwd`` kernel to its autotune configs without a race.
 
     In vLLM 0.20.2 (Triton 3.6, H200) this kernel (beta * K K^T per 64-token chunk, the first step
-    of every GDN prefill) gives different results for identical inputs under 9 of its 27 autotune
-    configs, all of which loop over K in blocks of 32 or 64 with 4 or 8 warps (up to 10 distinct
-    outputs in 10 runs, entries off by up to 2e-2), and its autotuner may pick one of them. That is
-    why vLLM's own answers to a prompt of more than ~2k tokens changed from run to run. The configs
-    with BK == 128 cover Qwen3.6's K = 128 in one block and were bitwise repeatable (10 of 10 runs
-    each; ``python -m tests.gpu.probe_gdn_kernels --sweep-configs``). Idempotent; False when this
-    vLLM's kernel has no such config (then nothing changes).
+    of every GDN prefill) gives different results for identical inputs under 9 to 11 of its 27
+    autotune configs (by shape and length), all of which loop over K in blocks of 32 or 64 with 4 or
+    8 warps (up to 10 distinct outputs in 10 runs, entries off by up to 2e-2), and its autotuner may
+    pick one of them. That is why vLLM's own answers to a prompt of more than ~2k tokens changed
+    from run to run. The configs with BK == 128 cover Qwen3.6's K = 128 in one block and were
+    bitwise repeatable in every sweep (``python -m tests.gpu.probe_gdn_kernels --sweep-configs``);
+    at 32k-128k tokens of the Qwen3.6-35B-A3B shape they cost ~0.1% of TTFT. Idempotent; False when
+    this vLLM's kernel has no such config (then nothing changes).
     """
     from vllm.model_executor.layers.fla.ops import chunk_scaled_dot_kkt
 
