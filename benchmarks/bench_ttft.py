@@ -36,25 +36,52 @@ CONFIGS = {
 KKT_ENV = {"race_free": "1", "all": "0"}  # -> QWEN36_PCP_DETERMINISTIC_GDN in every engine
 
 
-def child(model: str, config: str, tokens: list[int], reps: int, path: str) -> None:
-    """Writes {tokens: median seconds} to path after each length (a cut-off run keeps what it measured)."""
-    from vllm import LLM, SamplingParams
+def engine(model: str, config: str, longest: int, **kw):
+    """The benchmarks' engine: one config, every prompt up to ``longest`` in one prefill step."""
+    from vllm import LLM
+
+    return LLM(model=model, load_format="dummy", hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
+               gdn_prefill_backend="triton", enforce_eager=True, max_model_len=longest + 16,
+               max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0,
+               enable_prefix_caching=False, **CONFIGS[config], **kw)  # every rep a full prefill
+
+
+def prompt(n: int):
     from vllm.inputs import TokensPrompt
 
-    longest = max(tokens)
-    llm = LLM(model=model, load_format="dummy", hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
-              gdn_prefill_backend="triton", enforce_eager=True, max_model_len=longest + 16,
-              max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0,
-              enable_prefix_caching=False, **CONFIGS[config])  # every rep a full prefill
+    return TokensPrompt(prompt_token_ids=[(i * 7919) % 200000 + 10 for i in range(n)])
+
+
+def checkpoint(out: str) -> str:
+    """Qwen3.6-35B-A3B's config and tokenizer (no weights: the engines load dummy ones)."""
+    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+
+    return str(make_checkpoint(os.path.join(out, "qwen3.6-35b-a3b"), preset="qwen3.6-35b-a3b"))
+
+
+def run_child(argv: list[str], log_path: str, kkt_configs: str) -> int:
+    """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs."""
+    env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs],
+               QWEN36_PCP_KKT_CONFIGS=kkt_configs)
+    with open(log_path, "w") as log:
+        return subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
+                              env=env).returncode
+
+
+def child(model: str, config: str, tokens: list[int], reps: int, path: str) -> None:
+    """Writes {tokens: median seconds} to path after each length (a cut-off run keeps what it measured)."""
+    from vllm import SamplingParams
+
+    llm = engine(model, config, max(tokens))
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     out = {"kkt_configs": os.environ.get("QWEN36_PCP_KKT_CONFIGS", "?")}
     for n in tokens:
-        prompt = TokensPrompt(prompt_token_ids=[(i * 7919) % 200000 + 10 for i in range(n)])
-        llm.generate([prompt], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
+        p = prompt(n)
+        llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            llm.generate([prompt], sp, use_tqdm=False)
+            llm.generate([p], sp, use_tqdm=False)
             times.append(time.perf_counter() - t0)
         out[n] = statistics.median(times)
         with open(path, "w") as f:
@@ -83,22 +110,15 @@ def main():
 
 
 def measure(args) -> None:
-    """One engine per config, each in its own process (clean GPU memory between configs)."""
-    model = args.model
-    if model is None:
-        from qwen36_pcp.tools.make_checkpoint import make_checkpoint
-
-        model = str(make_checkpoint(os.path.join(args.out, "qwen3.6-35b-a3b"), preset="qwen3.6-35b-a3b"))
+    """One engine per config, each in its own process."""
+    model = args.model or checkpoint(args.out)
     for config in args.configs:
         path = os.path.join(args.out, f"ttft_{config}.json")
-        cmd = [sys.executable, __file__, "--model", model, "--tokens", *map(str, args.tokens),
-               "--reps", str(args.reps), "--child", config, path]
-        env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[args.kkt_configs],
-                   QWEN36_PCP_KKT_CONFIGS=args.kkt_configs)
-        with open(os.path.join(args.out, f"ttft_{config}.log"), "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        argv = [__file__, "--model", model, "--tokens", *map(str, args.tokens), "--reps", str(args.reps),
+                "--child", config, path]
+        rc = run_child(argv, os.path.join(args.out, f"ttft_{config}.log"), args.kkt_configs)
         if rc != 0:
-            print(f"{config}: exit {rc}, see {log.name}")
+            print(f"{config}: exit {rc}, see ttft_{config}.log")
 
 
 def report(out: str, configs: list[str], tokens: list[int]) -> None:

@@ -1,0 +1,161 @@
+"""Where one long prefill's GPU time goes, rank by rank: why TTFT at pcp=N is not N times shorter.
+
+Same engines as bench_ttft.py (Qwen3.6-35B-A3B shape, dummy weights, eager, the whole prompt in one
+prefill step). Each config: a warm-up prefill, then one under vLLM's torch profiler. From every rank's
+trace: GPU kernel time by kind (attention, GDN, MoE, GEMM, communication, other), the time the GPU was
+busy and the span from its first to its last kernel (span - busy: the GPU waiting for the host).
+Communication time on a PCP rank includes waiting for the slower rank. Prints a table, writes JSON
+and a PNG:
+
+    python benchmarks/profile_prefill.py --out prof_results --tokens 131072 --configs pcp1 pcp2_state_passing
+    python benchmarks/profile_prefill.py --out prof_results --report-only   # from the traces already there
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+import time
+
+import bench_ttft
+from qwen36_pcp.tools.plot import save_figure
+
+# first match wins: FA3's kernels are cutlass templates, so attention comes before GEMM
+KINDS = (
+    ("communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce|cross_device"),
+    ("attention", r"flash|fmha|attn|attention"),
+    ("gdn", r"chunk|solve_tril|recompute_w_u|kkt|delta_rule|causal_conv1d|fused_recurrent|l2norm|"
+            r"merge_16x16|gdn|post_conv|cumsum"),
+    ("moe", r"moe|topk|expert|align_block|count_and_sort"),
+    ("gemm", r"gemm|nvjet|xmma|cublas|cutlass|matmul"),
+)
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, pattern in KINDS if re.search(pattern, lowered)), "other")
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels on several streams overlap)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def summarize_trace(events: list[dict], top: int = 15) -> dict:
+    """Per-kind kernel milliseconds, busy and span milliseconds, and the top kernels of one rank."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENTS]
+    if not gpu:
+        return {}
+    kinds, by_name = {kind: 0.0 for kind, _ in KINDS} | {"other": 0.0}, {}
+    for e in gpu:
+        kinds[kind_of(e["name"])] += e["dur"] / 1e3
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"] / 1e3
+    intervals = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    names = sorted(by_name, key=by_name.get, reverse=True)[:top]
+    return {"kinds_ms": kinds, "busy_ms": _busy_us(intervals) / 1e3, "span_ms": span / 1e3,
+            "kernels": len(gpu), "top": [[n[:120], kind_of(n), by_name[n]] for n in names]}
+
+
+def summarize_dir(trace_dir: str) -> dict:
+    """{trace file's rank label: summary} for every trace with GPU events in ``trace_dir``."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(trace_dir, "*.pt.trace.json*"))):
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            summary = summarize_trace(json.load(f).get("traceEvents", []))
+        if summary:
+            label = re.search(r"rank\d+", os.path.basename(path))
+            out[label.group(0) if label else os.path.basename(path)] = summary
+    return out
+
+
+def child(model: str, config: str, tokens: int, trace_dir: str, path: str) -> None:
+    from vllm import SamplingParams
+
+    llm = bench_ttft.engine(model, config, tokens, profiler_config=dict(
+        profiler="torch", torch_profiler_dir=os.path.abspath(trace_dir), torch_profiler_with_stack=False,
+        torch_profiler_dump_cuda_time_total=False))
+    sp, p = SamplingParams(max_tokens=1, temperature=0.0), bench_ttft.prompt(tokens)
+    llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune)
+    llm.start_profile()
+    t0 = time.perf_counter()
+    llm.generate([p], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    llm.stop_profile()
+    with open(path, "w") as f:
+        json.dump({"tokens": tokens, "profiled_wall_s": wall,
+                   "kkt_configs": os.environ.get("QWEN36_PCP_KKT_CONFIGS", "?")}, f)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="prof_results")
+    parser.add_argument("--tokens", type=int, default=131072)
+    parser.add_argument("--configs", nargs="+", default=["pcp1", "pcp2_state_passing", "tp2"],
+                        choices=list(bench_ttft.CONFIGS))
+    parser.add_argument("--kkt-configs", choices=list(bench_ttft.KKT_ENV), default="race_free")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # config, trace dir, result path
+    args = parser.parse_args()
+    if args.child:
+        config, trace_dir, path = args.child
+        child(args.model, config, args.tokens, trace_dir, path)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    if not args.report_only:
+        model = args.model or bench_ttft.checkpoint(args.out)
+        for config in args.configs:
+            trace_dir = os.path.join(args.out, f"trace_{config}")
+            os.makedirs(trace_dir, exist_ok=True)
+            argv = [__file__, "--model", model, "--tokens", str(args.tokens), "--child", config, trace_dir,
+                    os.path.join(args.out, f"profile_{config}.json")]
+            rc = bench_ttft.run_child(argv, os.path.join(args.out, f"profile_{config}.log"), args.kkt_configs)
+            if rc != 0:
+                print(f"{config}: exit {rc}, see profile_{config}.log")
+    report(args.out, args.configs)
+
+
+def report(out: str, configs: list[str]) -> None:
+    rows = {}
+    for config in configs:
+        result = os.path.join(out, f"profile_{config}.json")
+        wall = json.load(open(result)).get("profiled_wall_s") if os.path.exists(result) else None
+        for rank, summary in summarize_dir(os.path.join(out, f"trace_{config}")).items():
+            rows[f"{config}/{rank}"] = dict(summary, profiled_wall_s=wall)
+    kinds = [kind for kind, _ in KINDS] + ["other"]
+    print("GPU time of one profiled prefill (ms), Qwen3.6-35B-A3B shape, dummy weights, eager")
+    print(f"{'config/rank':>28} | " + " | ".join(f"{k[:8]:>8}" for k in kinds) + " |     busy |     span | wall (s)")
+    for name, r in rows.items():
+        wall = f"{r['profiled_wall_s']:.3f}" if r["profiled_wall_s"] else "?"
+        print(f"{name:>28} | " + " | ".join(f"{r['kinds_ms'][k]:8.1f}" for k in kinds)
+              + f" | {r['busy_ms']:8.1f} | {r['span_ms']:8.1f} | {wall}")
+    with open(os.path.join(out, "profile_prefill.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+    def draw(ax):
+        names = list(rows)
+        bottom = [0.0] * len(names)
+        for k in kinds:
+            ms = [rows[n]["kinds_ms"][k] for n in names]
+            ax.barh(names, ms, left=bottom, label=k)
+            bottom = [b + m for b, m in zip(bottom, ms)]
+        ax.set_xlabel("GPU kernel time (ms)")
+
+    if rows:
+        save_figure(os.path.join(out, "profile_prefill.png"), draw)
+
+
+if __name__ == "__main__":
+    main()

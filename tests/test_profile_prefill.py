@@ -1,0 +1,55 @@
+"""benchmarks/profile_prefill.py's trace summary: kernel kinds, busy time over overlapping streams."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import profile_prefill  # noqa: E402
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>", "attention"),
+    ("kernel_unified_attention_2d", "attention"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("chunk_scaled_dot_kkt_fwd_kernel", "gdn"),
+    ("_causal_conv1d_fwd_kernel", "gdn"),
+    ("fused_moe_kernel", "moe"),
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
+    ("void at::native::vectorized_elementwise_kernel<4, ...>", "other"),
+])
+def test_kernel_kinds(name, kind):
+    assert profile_prefill.kind_of(name) == kind
+
+
+def _kernel(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_summary_counts_overlap_once_and_ignores_host_events(tmp_path):
+    events = [
+        _kernel("fused_moe_kernel", 0, 100),
+        _kernel("ncclDevKernel_AllGather_RING_LL", 50, 100),    # another stream, overlapping
+        _kernel("nvjet_tst_gemm", 300, 50),                     # after a 150 us gap
+        _kernel("Memcpy HtoD", 400, 10, cat="gpu_memcpy"),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 10_000},
+    ]
+    summary = profile_prefill.summarize_trace(events)
+    assert summary["kinds_ms"]["moe"] == pytest.approx(0.1)
+    assert summary["kinds_ms"]["communication"] == pytest.approx(0.1)
+    assert summary["kinds_ms"]["gemm"] == pytest.approx(0.05)
+    assert summary["kinds_ms"]["other"] == pytest.approx(0.01)
+    assert summary["busy_ms"] == pytest.approx(0.21)  # [0, 150) + [300, 350) + [400, 410)
+    assert summary["span_ms"] == pytest.approx(0.41)
+    assert summary["kernels"] == 4
+
+    host_only = tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank1.123.pt.trace.json.gz"
+    with gzip.open(tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.123.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    with gzip.open(host_only, "wt") as f:
+        json.dump({"traceEvents": events[-1:]}, f)
+    assert list(profile_prefill.summarize_dir(str(tmp_path))) == ["rank0"]
