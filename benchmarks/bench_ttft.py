@@ -1,7 +1,7 @@
 """Time to first token vs prompt length: pcp=1, tp=2, pcp=2 (state passing), pcp=2 (island).
 
-Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no download), eager, the
-whole prompt in one prefill step. Needs 2 GPUs (pcp1 alone: 1); prints a table and writes JSON + PNG:
+Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no download), eager
+(``--compiled``: vLLM's default torch.compile + CUDA graphs), the whole prompt in one prefill step. Needs 2 GPUs (pcp1 alone: 1); prints a table and writes JSON + PNG:
 
     python benchmarks/bench_ttft.py --out bench_results --tokens 32768 131072
 
@@ -36,12 +36,16 @@ CONFIGS = {
 KKT_ENV = {"race_free": "1", "all": "0"}  # -> QWEN36_PCP_DETERMINISTIC_GDN in every engine
 
 
-def engine(model: str, config: str, longest: int, **kw):
+def mode(compiled: bool) -> str:
+    return "compiled" if compiled else "eager"
+
+
+def engine(model: str, config: str, longest: int, compiled: bool = False, **kw):
     """The benchmarks' engine: one config, every prompt up to ``longest`` in one prefill step."""
     from vllm import LLM
 
     return LLM(model=model, load_format="dummy", hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
-               gdn_prefill_backend="triton", enforce_eager=True, max_model_len=longest + 16,
+               gdn_prefill_backend="triton", enforce_eager=not compiled, max_model_len=longest + 16,
                max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0,
                enable_prefix_caching=False, **CONFIGS[config], **kw)  # every rep a full prefill
 
@@ -68,13 +72,13 @@ def run_child(argv: list[str], log_path: str, kkt_configs: str) -> int:
                               env=env).returncode
 
 
-def child(model: str, config: str, tokens: list[int], reps: int, path: str) -> None:
+def child(model: str, config: str, tokens: list[int], reps: int, path: str, compiled: bool) -> None:
     """Writes {tokens: median seconds} to path after each length (a cut-off run keeps what it measured)."""
     from vllm import SamplingParams
 
-    llm = engine(model, config, max(tokens))
+    llm = engine(model, config, max(tokens), compiled)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
-    out = {"kkt_configs": os.environ.get("QWEN36_PCP_KKT_CONFIGS", "?")}
+    out = {"kkt_configs": os.environ.get("QWEN36_PCP_KKT_CONFIGS", "?"), "mode": mode(compiled)}
     for n in tokens:
         p = prompt(n)
         llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
@@ -95,13 +99,14 @@ def main():
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--kkt-configs", choices=list(KKT_ENV), default="race_free")
+    parser.add_argument("--compiled", action="store_true", help="torch.compile + CUDA graphs (vLLM's default)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None)
     parser.add_argument("--report-only", action="store_true",
                         help="no engines: table and plot from the ttft_<config>.json already in --out")
     args = parser.parse_args()
     if args.child:
-        child(args.model, args.child[0], args.tokens, args.reps, args.child[1])
+        child(args.model, args.child[0], args.tokens, args.reps, args.child[1], args.compiled)
         return
     os.makedirs(args.out, exist_ok=True)
     if not args.report_only:
@@ -115,7 +120,7 @@ def measure(args) -> None:
     for config in args.configs:
         path = os.path.join(args.out, f"ttft_{config}.json")
         argv = [__file__, "--model", model, "--tokens", *map(str, args.tokens), "--reps", str(args.reps),
-                "--child", config, path]
+                "--child", config, path] + ["--compiled"] * args.compiled
         rc = run_child(argv, os.path.join(args.out, f"ttft_{config}.log"), args.kkt_configs)
         if rc != 0:
             print(f"{config}: exit {rc}, see ttft_{config}.log")
@@ -127,9 +132,10 @@ def report(out: str, configs: list[str], tokens: list[int]) -> None:
     for c in configs:
         path = os.path.join(out, f"ttft_{c}.json")
         table[c] = json.load(open(path)) if os.path.exists(path) else {}
-    kkt = sorted({str(table[c].get("kkt_configs", "?")) for c in configs if table[c]})
-    print("TTFT (s), Qwen3.6-35B-A3B shape, dummy weights, one prefill step, eager; (x) = speedup vs pcp1;"
-          f" GDN kkt configs: {'/'.join(kkt)}")
+    kkt, modes = ("/".join(sorted({str(table[c].get(key, default)) for c in configs if table[c]}))
+                  for key, default in (("kkt_configs", "?"), ("mode", "eager")))
+    print(f"TTFT (s), Qwen3.6-35B-A3B shape, dummy weights, one prefill step, {modes}; (x) = speedup vs pcp1;"
+          f" GDN kkt configs: {kkt}")
     print(f"{'tokens':>8} | " + " | ".join(f"{c:>26}" for c in configs))
     for n in tokens:
         base = table.get("pcp1", {}).get(str(n), float("nan"))

@@ -1,7 +1,7 @@
 """Where one long prefill's GPU time goes, rank by rank: why TTFT at pcp=N is not N times shorter.
 
-Same engines as bench_ttft.py (Qwen3.6-35B-A3B shape, dummy weights, eager, the whole prompt in one
-prefill step). Each config: a warm-up prefill, then one under vLLM's torch profiler. From every rank's
+Same engines as bench_ttft.py (Qwen3.6-35B-A3B shape, dummy weights, eager or ``--compiled``, the
+whole prompt in one prefill step). Each config: a warm-up prefill, then one under vLLM's torch profiler. From every rank's
 trace: GPU kernel time by kind (attention, GDN, MoE, GEMM, communication, other), the time the GPU was
 busy and the span from its first to its last kernel (span - busy: the GPU waiting for the host).
 Communication time on a PCP rank includes waiting for the slower rank. Prints a table, writes JSON
@@ -80,10 +80,10 @@ def summarize_dir(trace_dir: str) -> dict:
     return out
 
 
-def child(model: str, config: str, tokens: int, trace_dir: str, path: str) -> None:
+def child(model: str, config: str, tokens: int, trace_dir: str, path: str, compiled: bool) -> None:
     from vllm import SamplingParams
 
-    llm = bench_ttft.engine(model, config, tokens, profiler_config=dict(
+    llm = bench_ttft.engine(model, config, tokens, compiled, profiler_config=dict(
         profiler="torch", torch_profiler_dir=os.path.abspath(trace_dir), torch_profiler_with_stack=False,
         torch_profiler_dump_cuda_time_total=False))
     sp, p = SamplingParams(max_tokens=1, temperature=0.0), bench_ttft.prompt(tokens)
@@ -94,7 +94,7 @@ def child(model: str, config: str, tokens: int, trace_dir: str, path: str) -> No
     wall = time.perf_counter() - t0
     llm.stop_profile()
     with open(path, "w") as f:
-        json.dump({"tokens": tokens, "profiled_wall_s": wall,
+        json.dump({"tokens": tokens, "profiled_wall_s": wall, "mode": bench_ttft.mode(compiled),
                    "kkt_configs": os.environ.get("QWEN36_PCP_KKT_CONFIGS", "?")}, f)
 
 
@@ -105,13 +105,14 @@ def main():
     parser.add_argument("--configs", nargs="+", default=["pcp1", "pcp2_state_passing", "tp2"],
                         choices=list(bench_ttft.CONFIGS))
     parser.add_argument("--kkt-configs", choices=list(bench_ttft.KKT_ENV), default="race_free")
+    parser.add_argument("--compiled", action="store_true", help="torch.compile + CUDA graphs (vLLM's default)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # config, trace dir, result path
     args = parser.parse_args()
     if args.child:
         config, trace_dir, path = args.child
-        child(args.model, config, args.tokens, trace_dir, path)
+        child(args.model, config, args.tokens, trace_dir, path, args.compiled)
         return
     os.makedirs(args.out, exist_ok=True)
     if not args.report_only:
@@ -120,7 +121,7 @@ def main():
             trace_dir = os.path.join(args.out, f"trace_{config}")
             os.makedirs(trace_dir, exist_ok=True)
             argv = [__file__, "--model", model, "--tokens", str(args.tokens), "--child", config, trace_dir,
-                    os.path.join(args.out, f"profile_{config}.json")]
+                    os.path.join(args.out, f"profile_{config}.json")] + ["--compiled"] * args.compiled
             rc = bench_ttft.run_child(argv, os.path.join(args.out, f"profile_{config}.log"), args.kkt_configs)
             if rc != 0:
                 print(f"{config}: exit {rc}, see profile_{config}.log")
@@ -131,11 +132,13 @@ def report(out: str, configs: list[str]) -> None:
     rows = {}
     for config in configs:
         result = os.path.join(out, f"profile_{config}.json")
-        wall = json.load(open(result)).get("profiled_wall_s") if os.path.exists(result) else None
+        meta = json.load(open(result)) if os.path.exists(result) else {}
         for rank, summary in summarize_dir(os.path.join(out, f"trace_{config}")).items():
-            rows[f"{config}/{rank}"] = dict(summary, profiled_wall_s=wall)
+            rows[f"{config}/{rank}"] = dict(summary, profiled_wall_s=meta.get("profiled_wall_s"),
+                                            mode=meta.get("mode", "eager"))
     kinds = [kind for kind, _ in KINDS] + ["other"]
-    print("GPU time of one profiled prefill (ms), Qwen3.6-35B-A3B shape, dummy weights, eager")
+    modes = "/".join(sorted({r["mode"] for r in rows.values()})) or "eager"
+    print(f"GPU time of one profiled prefill (ms), Qwen3.6-35B-A3B shape, dummy weights, {modes}")
     print(f"{'config/rank':>28} | " + " | ".join(f"{k[:8]:>8}" for k in kinds) + " |     busy |     span | wall (s)")
     for name, r in rows.items():
         wall = f"{r['profiled_wall_s']:.3f}" if r["profiled_wall_s"] else "?"
