@@ -40,6 +40,12 @@ def mode(compiled: bool) -> str:
     return "compiled" if compiled else "eager"
 
 
+def kkt_configs() -> str:
+    """In an engine's process: which kkt configs ``run_child`` chose for it."""
+    value = os.environ.get("QWEN36_PCP_DETERMINISTIC_GDN")
+    return next((name for name, v in KKT_ENV.items() if v == value), "?")
+
+
 def engine(model: str, config: str, longest: int, compiled: bool = False, **kw):
     """The benchmarks' engine: one config, every prompt up to ``longest`` in one prefill step."""
     from vllm import LLM
@@ -65,8 +71,7 @@ def checkpoint(out: str) -> str:
 
 def run_child(argv: list[str], log_path: str, kkt_configs: str) -> int:
     """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs."""
-    env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs],
-               QWEN36_PCP_KKT_CONFIGS=kkt_configs)
+    env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs])
     with open(log_path, "w") as log:
         return subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
                               env=env).returncode
@@ -78,7 +83,7 @@ def child(model: str, config: str, tokens: list[int], reps: int, path: str, comp
 
     llm = engine(model, config, max(tokens), compiled)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
-    out = {"kkt_configs": os.environ.get("QWEN36_PCP_KKT_CONFIGS", "?"), "mode": mode(compiled)}
+    out = {"kkt_configs": kkt_configs(), "mode": mode(compiled)}
     for n in tokens:
         p = prompt(n)
         llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length

@@ -95,7 +95,7 @@ def child(model: str, config: str, tokens: int, trace_dir: str, path: str, compi
     llm.stop_profile()
     with open(path, "w") as f:
         json.dump({"tokens": tokens, "profiled_wall_s": wall, "mode": bench_ttft.mode(compiled),
-                   "kkt_configs": os.environ.get("QWEN36_PCP_KKT_CONFIGS", "?")}, f)
+                   "kkt_configs": bench_ttft.kkt_configs()}, f)
 
 
 def main():
