@@ -69,12 +69,14 @@ def checkpoint(out: str) -> str:
     return str(make_checkpoint(os.path.join(out, "qwen3.6-35b-a3b"), preset="qwen3.6-35b-a3b"))
 
 
-def run_child(argv: list[str], log_path: str, kkt_configs: str) -> int:
-    """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs."""
+def run_child(argv: list[str], log_path: str, kkt_configs: str) -> None:
+    """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs;
+    a failure is reported and the next config runs."""
     env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs])
     with open(log_path, "w") as log:
-        return subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
-                              env=env).returncode
+        rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        print(f"exit {rc}, see {log_path}")
 
 
 def child(model: str, config: str, tokens: list[int], reps: int, path: str, compiled: bool) -> None:
@@ -126,9 +128,7 @@ def measure(args) -> None:
         path = os.path.join(args.out, f"ttft_{config}.json")
         argv = [__file__, "--model", model, "--tokens", *map(str, args.tokens), "--reps", str(args.reps),
                 "--child", config, path] + ["--compiled"] * args.compiled
-        rc = run_child(argv, os.path.join(args.out, f"ttft_{config}.log"), args.kkt_configs)
-        if rc != 0:
-            print(f"{config}: exit {rc}, see ttft_{config}.log")
+        run_child(argv, os.path.join(args.out, f"ttft_{config}.log"), args.kkt_configs)
 
 
 def report(out: str, configs: list[str], tokens: list[int]) -> None:
