@@ -1,6 +1,10 @@
 """End-to-end GPU checks: engines run in child processes (clean GPU state, bounded by timeouts).
 
     python -m tests.gpu.e2e engine SPEC.json OUT.json     # one engine: run prompts, dump outputs
+    python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e   # the module's jobs that fit this machine
+
+``jobs`` saves each result as $OUT/<job>.json, for QWEN36_PCP_REUSE: on a 1-GPU machine it makes the
+pcp=1 baselines, so the 2-GPU machine only runs the pcp=2 and tp=2 engines.
 
 ``SPEC.json``: {"llm": {...LLM kwargs...}, "prompts": [[token ids], ...], "max_tokens": 32,
 "logprobs": 5, "actions": [...optional...], "engine_core_in_process": false}.
@@ -211,15 +215,15 @@ def _kill_group(proc: subprocess.Popen, dump: bool) -> None:
 def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | None = None) -> dict:
     """Run one engine spec in a child process; raises with the log tail if it fails or hangs.
 
-    With QWEN36_PCP_REUSE=DIR, a result saved earlier as DIR/<name>.json is used instead (to split a
-    long acceptance run over several machine sessions).
+    With QWEN36_PCP_REUSE=DIR, a result saved earlier as DIR/<name>.json is used instead when the
+    same spec, code and stack made it (``fingerprint``): to split a long acceptance run over several
+    machine sessions, or to make the 1-GPU baselines on a 1-GPU machine (``jobs`` below).
     """
-    reuse = Path(os.environ.get("QWEN36_PCP_REUSE", "/nonexistent")) / f"{name}.json"
-    if reuse.exists():
-        print(f"[pool] {name}: reusing {reuse}", flush=True)
-        result = json.loads(reuse.read_text())
-        save(name, result)
-        return result
+    made_by = fingerprint(spec)
+    reused = _reused(name, made_by)
+    if reused is not None:
+        save(name, reused)
+        return reused
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
@@ -240,8 +244,42 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
             raise AssertionError(f"{name}: exit code {proc.returncode}\n" + log_path.read_text()[-6000:])
         result = json.loads(out_path.read_text())
         result["wall_s"] = time.time() - t0
+        result["made_by"] = made_by
         save(name, result)
         return result
+
+
+def fingerprint(spec: dict) -> dict:
+    """What an engine's result depends on: its spec, this package's and this file's code, the GDN
+    setting and the software and GPU it ran on. A saved result is reused only where all of it matches."""
+    import hashlib
+    import importlib.metadata as md
+
+    import torch
+
+    code = hashlib.sha256()
+    for path in sorted([*(REPO / "qwen36_pcp").rglob("*.py"), Path(__file__).resolve()]):
+        code.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return {"spec": hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16],
+            "code": code.hexdigest()[:16],
+            "env": {k: child_env()[k] for k in sorted(CHILD_ENV)},
+            "stack": f"vllm {md.version('vllm')}, torch {torch.__version__}, "
+                     f"triton {md.version('triton')}, {gpu}"}
+
+
+def _reused(name: str, made_by: dict):
+    """The result saved as $QWEN36_PCP_REUSE/<name>.json if it was made by the same ``made_by``."""
+    path = Path(os.environ.get("QWEN36_PCP_REUSE", "/nonexistent")) / f"{name}.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    stale = [k for k in made_by if saved.get("made_by", {}).get(k) != made_by[k]]
+    if stale:
+        print(f"[pool] {name}: not reusing {path}, its {'/'.join(stale)} differ(s); running it", flush=True)
+        return None
+    print(f"[pool] {name}: reusing {path}", flush=True)
+    return saved
 
 
 def _queue_order(jobs: dict) -> list[str]:
@@ -332,12 +370,33 @@ def compare(ref: list[dict], other: list[dict]) -> dict:
     return {"ok": ok, "max_logprob_diff": max_diff, "diverged_at": diverged}
 
 
+def module_jobs(module, max_gpus: int) -> dict:
+    """The engine jobs of a test module's ``engine_jobs`` markers that need at most ``max_gpus``."""
+    jobs = {}
+    for fn in vars(module).values():
+        for mark in getattr(fn, "pytestmark", []):
+            if mark.name == "engine_jobs":
+                jobs.update({k: v for k, v in mark.kwargs["builder"]().items() if v[1] <= max_gpus})
+    return jobs
+
+
 def main(argv):
     if argv[0] == "engine":
         spec = json.loads(Path(argv[1]).read_text())
         result = run_engine(spec)
         Path(argv[2]).write_text(json.dumps(result))
         return 0
+    if argv[0] == "jobs":  # python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e
+        import importlib
+
+        import torch
+
+        jobs = module_jobs(importlib.import_module(argv[1]), torch.cuda.device_count())
+        failed = {k: r for k, r in engines(jobs).items() if isinstance(r, BaseException)}
+        for name, err in failed.items():
+            print(f"[jobs] {name} failed: {str(err)[-2000:]}", flush=True)
+        print(f"[jobs] {len(jobs) - len(failed)} of {len(jobs)} saved under {out_dir()}", flush=True)
+        return 1 if failed else 0
     raise SystemExit(f"unknown command {argv[0]}")
 
 
