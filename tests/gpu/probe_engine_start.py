@@ -22,15 +22,17 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# what a stack is doing, first match wins: (phase, a frame's file contains, or its function is)
+# vLLM's start phases by the runner function on the stack, first match wins (torch.compile itself
+# runs inside the first profile run, and compiled graphs run under torch/_dynamo frames, so files do
+# not tell the phase)
 PHASES = (
-    ("torch.compile", "/torch/_dynamo/", None),
-    ("torch.compile", "/torch/_inductor/", None),
-    ("cuda graph capture", None, "capture_model"),
-    ("profile run", None, "profile_run"),
-    ("warm-up run", None, "_dummy_run"),
-    ("weights", None, "load_model"),
+    ("cuda graph capture", "capture_model"),
+    ("profile run (torch.compile inside)", "profile_run"),
+    ("warm-up run", "_dummy_run"),
+    ("weights", "load_model"),
 )
+# a frame of these means a kernel is being built (Triton's compiler, Inductor's code cache)
+BUILDING = ("/triton/compiler/", "/triton/backends/", "/torch/_inductor/codecache", "/torch/_inductor/async_compile")
 
 
 def sample(stop: threading.Event, main_id: int, every: float, samples: list) -> None:
@@ -52,10 +54,10 @@ def innermost_library_frame(stack) -> str:
 
 
 def phase_of(stack) -> str:
-    for phase, file_part, function in PHASES:
-        if any((file_part and file_part in fr.filename) or fr.name == function for fr in stack):
-            return phase
-    return "other"
+    names = {fr.name for fr in stack}
+    phase = next((phase for phase, function in PHASES if function in names), "imports / setup")
+    building = any(part in fr.filename for fr in stack for part in BUILDING)
+    return f"{phase}, building kernels" if building else phase
 
 
 def main() -> None:
