@@ -1,0 +1,84 @@
+"""Build and autotune on one GPU the Triton kernels that 2-GPU engines add to pcp=1's, so a 2-GPU
+machine that restores the carried Triton cache (``.devcache``, see README.md) starts them warm.
+
+A pcp=2 engine autotunes vLLM's GDN chunk kernels at the augmented value width V + K during its
+profile run (``PCPGatedDeltaNetAttention._warmup_augmented_scan``, called here on each shape); on a
+fresh 2-GPU machine that made its start ~250 s instead of 39 s. A tp=2 engine runs the plain kernels
+at half the GDN heads. Shapes: the tiny checkpoint (GPU tests) and Qwen3.6-35B-A3B (benchmarks), with
+the race-free kkt configs every engine of the checks uses.
+
+    TRITON_CACHE_AUTOTUNING=1 python -m tests.gpu.warm_pcp_kernels
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+from qwen36_pcp.tools.make_checkpoint import build_config
+
+SHAPES = ("tiny", "qwen3.6-35b-a3b")
+
+
+def gdn_shape(preset: str) -> dict:
+    text = build_config(preset)
+    text = text.get("text_config", text)
+    return {"hk": text["linear_num_key_heads"], "hv": text["linear_num_value_heads"],
+            "K": text["linear_key_head_dim"], "V": text["linear_value_head_dim"]}
+
+
+def fake_layer(s: dict, tp: int) -> SimpleNamespace:
+    """What ``_warmup_augmented_scan`` reads from its layer, for one TP shard of a GDN layer."""
+    from qwen36_pcp.layers.gdn_cp import GDNWeights
+
+    hv = s["hv"] // tp
+    w = GDNWeights(conv_weight=None, conv_bias=None,
+                   A_log=torch.randn(hv, device="cuda"), dt_bias=torch.randn(hv, device="cuda"),
+                   num_k_heads=s["hk"] // tp, head_k_dim=s["K"], head_v_dim=s["V"])
+    return SimpleNamespace(gdn_weights=lambda: w, num_v_heads=s["hv"], tp_size=tp, head_k_dim=s["K"])
+
+
+def warm_augmented(s: dict) -> None:
+    """pcp=2 (tp=1): the layer's own profile-run warm-up."""
+    from qwen36_pcp.layers.pcp_gdn import PCPGatedDeltaNetAttention
+
+    PCPGatedDeltaNetAttention._augmented_warmed_up = False  # once per process in an engine; per shape here
+    dim = 2 * s["hk"] * s["K"] + s["hv"] * s["V"]
+    PCPGatedDeltaNetAttention._warmup_augmented_scan(
+        fake_layer(s, 1), torch.empty(1, dim, device="cuda", dtype=torch.bfloat16))
+
+
+def warm_plain(s: dict, tp: int) -> None:
+    """tp=2 (pcp=1): vLLM's plain chunk scan at the shard's head count."""
+    from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
+
+    from qwen36_pcp.layers.gdn_cp import VllmGDNKernels
+
+    layer = fake_layer(s, tp)
+    w, hv, T = layer.gdn_weights(), s["hv"] // tp, FLA_CHUNK_SIZE
+    y = torch.randn(T, 2 * w.num_k_heads * s["K"] + hv * s["V"], device="cuda", dtype=torch.bfloat16)
+    a, b = (torch.randn(T, hv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, k, v, g, beta = VllmGDNKernels.prep(y, a, b, w)
+    init = torch.zeros(1, hv, s["V"], s["K"], device="cuda", dtype=torch.float32)
+    cu_cpu = torch.tensor([0, T], dtype=torch.int32)
+    VllmGDNKernels.chunk(q, k, v, g, beta, init, cu_cpu.cuda(), cu_cpu)
+
+
+def main() -> None:
+    from qwen36_pcp.runner_hooks import race_free_gdn_kkt
+
+    race_free_gdn_kkt()  # the kkt configs every engine of the checks autotunes among
+    for preset in SHAPES:
+        s = gdn_shape(preset)
+        for what, fn in (("pcp=2 augmented scan", lambda: warm_augmented(s)),
+                         ("tp=2 plain scan", lambda: warm_plain(s, 2))):
+            t0 = time.time()
+            fn()
+            torch.cuda.synchronize()
+            print(f"{preset} {s}: {what} ready in {time.time() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
