@@ -20,3 +20,15 @@ def test_reuse_only_what_the_same_spec_code_and_stack_made(tmp_path, monkeypatch
     assert e2e._reused("job", e2e.fingerprint(spec)) is None
     assert e2e._reused("unmarked", made_by) is None
     assert e2e._reused("missing", made_by) is None
+
+
+def test_jobs_that_fit_one_gpu_are_the_pcp1_baselines():
+    from tests.gpu import test_pcp_e2e
+
+    one = e2e.module_jobs(test_pcp_e2e, 1)
+    assert sorted(one) == ["case1_unequal_batch_pcp1", "case2_3_pcp1", "case2_3_pcp1_chunk4096",
+                           "case3_repeat_pcp1"]
+    two = e2e.module_jobs(test_pcp_e2e, 2)
+    assert set(one) < set(two)
+    assert {"case1_unequal_batch_pcp2", "case1_unequal_batch_tp2", "serve_pcp2"} <= set(two)
+    assert all(spec["llm"]["prefill_context_parallel_size"] == 1 for spec, _ in one.values())
