@@ -32,7 +32,8 @@ PHASES = (
     ("weights", "load_model"),
 )
 # a frame of these means a kernel is being built (Triton's compiler, Inductor's code cache)
-BUILDING = ("/triton/compiler/", "/triton/backends/", "/torch/_inductor/codecache", "/torch/_inductor/async_compile")
+BUILDING = ("/triton/compiler/", "/triton/backends/", "/torch/_inductor/codecache",
+            "/torch/_inductor/async_compile")
 
 
 def sample(stop: threading.Event, main_id: int, every: float, samples: list) -> None:
