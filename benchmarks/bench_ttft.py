@@ -1,7 +1,8 @@
 """Time to first token vs prompt length: pcp=1, tp=2, pcp=2 (state passing), pcp=2 (island).
 
 Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no download), eager
-(``--compiled``: vLLM's default torch.compile + CUDA graphs), the whole prompt in one prefill step. Needs 2 GPUs (pcp1 alone: 1); prints a table and writes JSON + PNG:
+(``--compiled``: vLLM's default torch.compile + CUDA graphs), the whole prompt in one prefill step.
+Needs 2 GPUs (pcp1 alone: 1); prints a table and writes JSON + PNG:
 
     python benchmarks/bench_ttft.py --out bench_results --tokens 32768 131072
 

@@ -1,11 +1,11 @@
 """Where one long prefill's GPU time goes, rank by rank: why TTFT at pcp=N is not N times shorter.
 
 Same engines as bench_ttft.py (Qwen3.6-35B-A3B shape, dummy weights, eager or ``--compiled``, the
-whole prompt in one prefill step). Each config: a warm-up prefill, then one under vLLM's torch profiler. From every rank's
-trace: GPU kernel time by kind (attention, GDN, MoE, GEMM, communication, other), the time the GPU was
-busy and the span from its first to its last kernel (span - busy: the GPU waiting for the host).
-Communication time on a PCP rank includes waiting for the slower rank. Prints a table, writes JSON
-and a PNG:
+whole prompt in one prefill step). Each config: a warm-up prefill, then one under vLLM's torch
+profiler. From every rank's trace: GPU kernel time by kind (attention, GDN, MoE, GEMM, communication,
+other), the time the GPU was busy and the span from its first to its last kernel (span - busy: the
+GPU waiting for the host). Communication time on a PCP rank includes waiting for the slower rank.
+Prints a table, writes JSON and a PNG:
 
     python benchmarks/profile_prefill.py --out prof_results --tokens 131072 --configs pcp1 pcp2_state_passing
     python benchmarks/profile_prefill.py --out prof_results --report-only   # from the traces already there

@@ -93,8 +93,9 @@ def main() -> None:
     with open(out / "samples.txt", "w") as f:
         for t, stack in samples:
             f.write(f"=== t={t} s\n{''.join(traceback.format_list(stack[-25:]))}\n")
-            per_frame[(phase_of(stack), innermost_library_frame(stack))] += args.every
-            per_phase[phase_of(stack)] += args.every
+            phase = phase_of(stack)
+            per_frame[(phase, innermost_library_frame(stack))] += args.every
+            per_phase[phase] += args.every
     summary = {"config": args.config, "tokens": args.tokens, "compiled": args.compiled,
                "start_s": start_s, "seconds_per_phase": dict(per_phase.most_common()),
                "seconds_per_frame": [(p, fr, s) for (p, fr), s in per_frame.most_common(40)]}
