@@ -108,20 +108,24 @@ def case2_3_jobs():
     return _jobs("case2_3", lambda name: {
         "llm": e2e.base_llm_kwargs(ckpt, max_num_batched_tokens=4096 if name in NOISE_FLOOR else 2048,
                                    enable_prefix_caching=True, enforce_eager=True, max_model_len=21000),
-        "batches": [long_prompt, [prefix + a], [prefix + b]]}, {**PARALLEL, **NOISE_FLOOR})
+        "batches": [long_prompt, [prefix + a], [prefix + b]]}, {**PARALLEL, **NOISE_FLOOR, **ISLAND})
 
 
 @pytest.mark.engine_jobs(builder=case2_3_jobs)
 def test_chunked_prefill_and_prefix_caching(engine_pool):
     """Case 2: max_num_batched_tokens=2048 on a 20000-token prompt (10 chunks, each a continuation).
     Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit.
-    One engine per parallel setting runs both (prefix caching on, 2048-token chunks)."""
-    res = _results(engine_pool, "case2_3", {**PARALLEL, **NOISE_FLOOR})
+    One engine per parallel setting runs both (prefix caching on, 2048-token chunks). Reported, not
+    judged: the noise floor and pcp2 in island mode (exact GDN: what is left is the token split)."""
+    res = _results(engine_pool, "case2_3", {**PARALLEL, **NOISE_FLOOR, **ISLAND})
     for case, runs in (("case2_chunked_prefill", [0]), ("case3_prefix_cache", [1, 2])):
-        floor = e2e.compare(e2e.outputs(res["pcp1"], runs), e2e.outputs(res["pcp1_chunk4096"], runs))
-        REPORT[f"{case}_noise_floor"] = floor
-        print(f"[{case}] noise floor, pcp1 with 4096-token chunks vs pcp1: "
-              f"max|dlogprob|={floor['max_logprob_diff']:.4g} diverged={floor['diverged_at']}")
+        for name, what in (("pcp1_chunk4096", "noise floor, pcp1 with 4096-token chunks"),
+                           ("pcp2_island", "pcp2 island")):
+            diff = e2e.compare(e2e.outputs(res["pcp1"], runs), e2e.outputs(res[name], runs))
+            REPORT[f"{case}_{name}_vs_pcp1"] = diff
+            print(f"[{case}] {what} vs pcp1: max|dlogprob|={diff['max_logprob_diff']:.4g} "
+                  f"diverged={diff['diverged_at']}")
+    res = {k: res[k] for k in PARALLEL}
     _judge("case2_chunked_prefill", {k: e2e.outputs(v, [0]) for k, v in res.items()})
     cached = {k: v["runs"][2]["outputs"][0]["num_cached_tokens"] for k, v in res.items()}
     REPORT["case3_cached_tokens_second_request"] = cached
