@@ -1,0 +1,148 @@
+"""How far is GDN state passing (pcp=2) from exact, next to vLLM's own one-GPU kernels? (1 GPU)
+
+    python -m tests.gpu.probe_gdn_precision [--out DIR]
+
+Both are compared with an fp32 reference scan (``TorchGDNKernels``) of the same bf16 inputs, at the
+Qwen3.6-35B-A3B GDN shape, with gates that keep a long memory (the tiny checkpoint's dt_bias law),
+so the state carried into the second rank's block matters. The two ranks of ``gdn_state_passing``
+run one after the other in this process: each ``all_gather`` hands out what every rank put in on the
+previous pass (``ReplayGroup``), and the passes repeat until no payload changes, which makes the
+result exactly what two GPUs compute (the kernels are deterministic with ``race_free_gdn_kkt``).
+Prints, per case, the relative RMS and max error against the fp32 scan (``pcp2_vs_one_gpu``: against
+the one-GPU kernels) of the outputs (all tokens, and the tokens whose output gets the state-passing
+correction) and of the final states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+
+CASES = {  # (num_computed, num_new) per request
+    "fresh_16k": ([0], [16384]),
+    "continuation_8k_after_8k": ([8192], [8192]),
+    "batch": ([0, 0, 1500, 40], [8192, 1, 3000, 7]),
+}
+
+
+class ReplayGroup:
+    """GroupCoordinator's ``all_gather`` for ranks run one after the other in one process."""
+
+    def __init__(self, world_size: int, rank: int, book: dict):
+        self.world_size, self.rank_in_group, self.book, self.calls = world_size, rank, book, 0
+
+    def all_gather(self, x, dim=0):
+        parts = self.book.setdefault(self.calls, [None] * self.world_size)
+        self.calls += 1
+        parts[self.rank_in_group] = x.clone()
+        return torch.cat([p if p is not None and p.shape == x.shape else torch.zeros_like(x) for p in parts])
+
+
+def _inputs(num_computed, num_new, dev):
+    from qwen36_pcp.tools.layer_inputs import gdn_inputs
+
+    inp, w = gdn_inputs(num_computed, num_new, dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    hv = w.A_log.shape[0]
+    lo, hi = math.log(1e-3), math.log(1e-1)  # make_checkpoint's dt law: per-step decay ~0.2 .. ~0.999
+    dt = torch.exp(torch.rand(hv, device=dev, generator=g) * (hi - lo) + lo)
+    w.dt_bias = dt + torch.log(-torch.expm1(-dt))
+    inp["a"] = (inp["a"].float() * 0.1).to(inp["a"].dtype)
+    return inp, w
+
+
+def _err(got, ref):
+    d = got.float() - ref.float()
+    return {"rel_rms": (d.norm() / ref.float().norm().clamp_min(1e-30)).item(),
+            "max_abs": d.abs().max().item(), "ref_max": ref.float().abs().max().item()}
+
+
+def run_case(num_computed, num_new, dev, world_size=2, kernels=None):
+    """``kernels``: the bf16 kernels under test (vLLM's by default; the torch ones check this probe on CPU)."""
+    from qwen36_pcp.layers.context import PCPContext
+    from qwen36_pcp.layers.gdn_cp import TorchGDNKernels, VllmGDNKernels, gdn_full_reference, gdn_state_passing
+    from qwen36_pcp.plan import PCPConfig, PCPPlan
+
+    kernels = kernels or VllmGDNKernels
+    inp, w = _inputs(num_computed, num_new, dev)
+    T = sum(num_new)
+    hv, dv = w.A_log.shape[0], w.head_v_dim
+    cu_cpu = torch.tensor([0] + list(torch.tensor(num_new).cumsum(0)), dtype=torch.int32)
+
+    def full(kernels, dtype):
+        out = torch.zeros(T, hv, dv, device=dev, dtype=dtype)
+        conv, ssm = inp["conv_state"].clone().to(dtype), inp["ssm_state"].clone()
+        w_ = w if dtype == torch.bfloat16 else type(w)(**{**w.__dict__, "conv_weight": w.conv_weight.float()})
+        gdn_full_reference(kernels, inp["mixed_qkv"].to(dtype), inp["b"].to(dtype), inp["a"].to(dtype), out,
+                           w_, conv, ssm, inp["state_idx"], num_computed, cu_cpu)
+        return out, ssm
+
+    truth, truth_ssm = full(TorchGDNKernels, torch.float32)
+    one_gpu, one_gpu_ssm = full(kernels, torch.bfloat16)
+
+    book, outs, ssms, corrected = {}, {}, {}, {}
+    for _ in range(4):  # until every payload is what the other rank really sends
+        before = {k: [None if p is None else p.clone() for p in v] for k, v in book.items()}
+        for r in range(world_size):
+            plan = PCPPlan(num_computed, num_new, world_size, r, PCPConfig(min_split_tokens=64))
+            ctx = PCPContext(plan, ReplayGroup(world_size, r, book), dev)
+            idx = ctx.t.local_idx
+            out = torch.zeros(plan.t_pad, hv, dv, device=dev, dtype=torch.bfloat16)
+            conv, ssm = inp["conv_state"].clone(), inp["ssm_state"].clone()
+            gdn_state_passing(ctx, kernels, *(inp[k][idx] for k in ("mixed_qkv", "b", "a")), out, w,
+                              conv, ssm, inp["state_idx"])
+            n = plan.num_local_tokens
+            outs[r], ssms[r] = (idx[:n], out[:n]), ssm
+            # rows of blocks that start after block 0 of a split request: their output gets X_in c_t
+            cu = ctx.t.cu_q_cpu.tolist()
+            rows = [torch.arange(cu[j], cu[j + 1]) for blk, slots in plan.split_block_slots().items()
+                    if blk > 0 for j in slots]
+            corrected[r] = idx[torch.cat(rows).to(dev)] if rows else idx[:0]
+        same = before.keys() == book.keys() and all(
+            a is not None and torch.equal(a, b) for k in book for a, b in zip(before[k], book[k]))
+        if same:
+            break
+    else:
+        raise RuntimeError("replayed all_gather payloads did not settle")
+    pcp = torch.zeros_like(one_gpu)
+    for r, (i, o) in outs.items():
+        pcp[i] = o
+    corr = torch.cat(list(corrected.values()))
+    lines = inp["state_idx"]
+    res = {}
+    for name, out, ssm in (("one_gpu", one_gpu, one_gpu_ssm), ("pcp2_state_passing", pcp, ssms[world_size - 1])):
+        res[name] = {"output": _err(out, truth), "corrected_rows": _err(out[corr], truth[corr]),
+                     "final_state": _err(ssm[lines], truth_ssm[lines])}
+    res["pcp2_vs_one_gpu"] = {"output": _err(pcp, one_gpu), "corrected_rows": _err(pcp[corr], one_gpu[corr])}
+    res["num_corrected_rows"] = int(corr.numel())
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/qwen36_pcp_gpu_results"))
+    args = ap.parse_args(argv)
+    from qwen36_pcp.runner_hooks import race_free_gdn_kkt
+
+    race_free_gdn_kkt()
+    torch.manual_seed(0)
+    results = {}
+    print(f"{'case':26} {'what':20} {'rows':14} {'rel RMS':>10} {'max abs':>10}")
+    for case, (computed, new) in CASES.items():
+        res = results[case] = run_case(computed, new, torch.device("cuda"))
+        for what in ("one_gpu", "pcp2_state_passing", "pcp2_vs_one_gpu"):
+            for rows in ("output", "corrected_rows", "final_state"):
+                if rows in res[what]:
+                    e = res[what][rows]
+                    print(f"{case:26} {what:20} {rows:14} {e['rel_rms']:10.3e} {e['max_abs']:10.3e}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_gdn_precision.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
