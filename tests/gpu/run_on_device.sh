@@ -17,6 +17,11 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 if [ -f .devcache/triton_cache.tar.xz ]; then
   tar xJf .devcache/triton_cache.tar.xz -C "$HOME" && echo "restored Triton cache ($(find "$HOME/.triton" -name '*.cubin' | wc -l) kernels)"
 fi
+# saved engine results for QWEN36_PCP_REUSE, packed (the call carries at most 64 MiB, the bundle ~61)
+if [ -f .devcache/reuse.tar.xz ]; then
+  mkdir -p .devcache/reuse && tar xJf .devcache/reuse.tar.xz -C .devcache/reuse \
+    && echo "restored $(ls .devcache/reuse | wc -l) saved engine results"
+fi
 final=${OUT:-/tmp/out}
 export OUT="$final/work"
 mkdir -p "$OUT"
