@@ -29,9 +29,13 @@ def _layout(num_computed, num_new, bs, device):
     return table, slots, nxt
 
 
-def _errors(got, ref):
-    diff = (got.float() - ref.float()).abs()
-    return {"max_abs": diff.max().item(), "max_rel": diff.max().item() / max(ref.float().abs().max().item(), 1e-12)}
+def errors(got, ref):
+    """Max abs error, relative to the largest |ref| (max_rel), and relative RMS error."""
+    diff = got.float() - ref.float()
+    ref_max = max(ref.float().abs().max().item(), 1e-12)
+    max_abs = diff.abs().max().item()
+    return {"max_abs": max_abs, "max_rel": max_abs / ref_max,
+            "rel_rms": (diff.norm() / ref.float().norm().clamp_min(1e-30)).item()}
 
 
 def attention_case(rank, group, layout="zigzag"):
@@ -67,8 +71,8 @@ def attention_case(rank, group, layout="zigzag"):
     out = torch.empty(plan.t_pad, H, D, device=dev, dtype=torch.bfloat16)
     attend_local_flash(ctx, q[idx], kc, vc, table, out, softmax_scale=scale, fa_version=3)
     n = plan.num_local_tokens
-    return {"output": _errors(out[:n], ref[idx[:n]]), "cache_k": _errors(kc, ref_k),
-            "cache_v": _errors(vc, ref_v), "bytes_sent": ctx.bytes_sent}
+    return {"output": errors(out[:n], ref[idx[:n]]), "cache_k": errors(kc, ref_k),
+            "cache_v": errors(vc, ref_v), "bytes_sent": ctx.bytes_sent}
 
 
 def gdn_case(rank, group, layout="zigzag"):
@@ -97,8 +101,8 @@ def gdn_case(rank, group, layout="zigzag"):
             gdn_state_passing(ctx, VllmGDNKernels, *local, out, w, conv, ssm, inp["state_idx"])
         else:
             gdn_island(ctx, lambda q_, b_, a_, o_: full(q_, b_, a_, o_, conv, ssm), *local, out)
-        res[mode] = {"output": _errors(out[:n], ref_out[idx[:n]]), "ssm_state": _errors(ssm, ref_ssm),
-                     "conv_state": _errors(conv, ref_conv), "bytes_sent": ctx.bytes_sent}
+        res[mode] = {"output": errors(out[:n], ref_out[idx[:n]]), "ssm_state": errors(ssm, ref_ssm),
+                     "conv_state": errors(conv, ref_conv), "bytes_sent": ctx.bytes_sent}
     return res
 
 

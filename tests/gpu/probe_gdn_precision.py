@@ -16,11 +16,14 @@ correction) and of the final states.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 
 import torch
+
+from .layer_cases_gpu import errors
 
 CASES = {  # (num_computed, num_new) per request
     "fresh_16k": ([0], [16384]),
@@ -55,12 +58,6 @@ def _inputs(num_computed, num_new, dev):
     return inp, w
 
 
-def _err(got, ref):
-    d = got.float() - ref.float()
-    return {"rel_rms": (d.norm() / ref.float().norm().clamp_min(1e-30)).item(),
-            "max_abs": d.abs().max().item(), "ref_max": ref.float().abs().max().item()}
-
-
 def run_case(num_computed, num_new, dev, world_size=2, kernels=None):
     """``kernels``: the bf16 kernels under test (vLLM's by default; the torch ones check this probe on CPU)."""
     from qwen36_pcp.layers.context import PCPContext
@@ -76,7 +73,7 @@ def run_case(num_computed, num_new, dev, world_size=2, kernels=None):
     def full(kernels, dtype):
         out = torch.zeros(T, hv, dv, device=dev, dtype=dtype)
         conv, ssm = inp["conv_state"].clone().to(dtype), inp["ssm_state"].clone()
-        w_ = w if dtype == torch.bfloat16 else type(w)(**{**w.__dict__, "conv_weight": w.conv_weight.float()})
+        w_ = w if dtype == torch.bfloat16 else dataclasses.replace(w, conv_weight=w.conv_weight.float())
         gdn_full_reference(kernels, inp["mixed_qkv"].to(dtype), inp["b"].to(dtype), inp["a"].to(dtype), out,
                            w_, conv, ssm, inp["state_idx"], num_computed, cu_cpu)
         return out, ssm
@@ -84,24 +81,19 @@ def run_case(num_computed, num_new, dev, world_size=2, kernels=None):
     truth, truth_ssm = full(TorchGDNKernels, torch.float32)
     one_gpu, one_gpu_ssm = full(kernels, torch.bfloat16)
 
-    book, outs, ssms, corrected = {}, {}, {}, {}
+    plans = [PCPPlan(num_computed, num_new, world_size, r, PCPConfig(min_split_tokens=64))
+             for r in range(world_size)]
+    book, outs, ssms = {}, {}, {}
     for _ in range(4):  # until every payload is what the other rank really sends
         before = {k: [None if p is None else p.clone() for p in v] for k, v in book.items()}
-        for r in range(world_size):
-            plan = PCPPlan(num_computed, num_new, world_size, r, PCPConfig(min_split_tokens=64))
+        for r, plan in enumerate(plans):
             ctx = PCPContext(plan, ReplayGroup(world_size, r, book), dev)
             idx = ctx.t.local_idx
             out = torch.zeros(plan.t_pad, hv, dv, device=dev, dtype=torch.bfloat16)
             conv, ssm = inp["conv_state"].clone(), inp["ssm_state"].clone()
             gdn_state_passing(ctx, kernels, *(inp[k][idx] for k in ("mixed_qkv", "b", "a")), out, w,
                               conv, ssm, inp["state_idx"])
-            n = plan.num_local_tokens
-            outs[r], ssms[r] = (idx[:n], out[:n]), ssm
-            # rows of blocks that start after block 0 of a split request: their output gets X_in c_t
-            cu = ctx.t.cu_q_cpu.tolist()
-            rows = [torch.arange(cu[j], cu[j + 1]) for blk, slots in plan.split_block_slots().items()
-                    if blk > 0 for j in slots]
-            corrected[r] = idx[torch.cat(rows).to(dev)] if rows else idx[:0]
+            outs[r], ssms[r] = (idx[:plan.num_local_tokens], out[:plan.num_local_tokens]), ssm
         same = before.keys() == book.keys() and all(
             a is not None and torch.equal(a, b) for k in book for a, b in zip(before[k], book[k]))
         if same:
@@ -109,15 +101,22 @@ def run_case(num_computed, num_new, dev, world_size=2, kernels=None):
     else:
         raise RuntimeError("replayed all_gather payloads did not settle")
     pcp = torch.zeros_like(one_gpu)
-    for r, (i, o) in outs.items():
+    for i, o in outs.values():
         pcp[i] = o
-    corr = torch.cat(list(corrected.values()))
+    # rows of blocks that start after block 0 of a split request: their output gets X_in c_t
+    corr = []
+    for plan in plans:
+        t = plan.device_tensors(dev)
+        cu = t.cu_q_cpu.tolist()
+        corr += [t.local_idx[cu[j] : cu[j + 1]] for blk, slots in plan.split_block_slots().items()
+                 if blk > 0 for j in slots]
+    corr = torch.cat(corr) if corr else torch.zeros(0, dtype=torch.long, device=dev)
     lines = inp["state_idx"]
     res = {}
     for name, out, ssm in (("one_gpu", one_gpu, one_gpu_ssm), ("pcp2_state_passing", pcp, ssms[world_size - 1])):
-        res[name] = {"output": _err(out, truth), "corrected_rows": _err(out[corr], truth[corr]),
-                     "final_state": _err(ssm[lines], truth_ssm[lines])}
-    res["pcp2_vs_one_gpu"] = {"output": _err(pcp, one_gpu), "corrected_rows": _err(pcp[corr], one_gpu[corr])}
+        res[name] = {"output": errors(out, truth), "corrected_rows": errors(out[corr], truth[corr]),
+                     "final_state": errors(ssm[lines], truth_ssm[lines])}
+    res["pcp2_vs_one_gpu"] = {"output": errors(pcp, one_gpu), "corrected_rows": errors(pcp[corr], one_gpu[corr])}
     res["num_corrected_rows"] = int(corr.numel())
     return res
 
