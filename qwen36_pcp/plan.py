@@ -7,7 +7,8 @@ from vLLM's forward context; nothing in a layer exchanges metadata.
 Token layouts used throughout:
 - *full*: the runner's batch layout, requests back to back (request i at ``req_start[i]``).
 - *local* (rank r): rank r's segments back to back, then padding up to ``t_pad`` rows. Every rank has
-  ``t_pad`` rows because vLLM's MoE all-gathers over the PCP group and needs equal counts.
+  ``t_pad`` rows so that one all-gather assembles the batch (and vLLM's MoE, where its experts are
+  sharded over the PCP group, all-gathers too and needs equal counts).
 - *gathered*: ``all_gather`` of the local layouts, rank-major (``rank * t_pad + row``).
 
 A request with at least ``min_split_tokens`` new tokens is *split*: its new tokens are cut into blocks
@@ -28,6 +29,7 @@ import torch
 
 LAYOUTS = ("zigzag", "contiguous")
 GDN_MODES = ("state_passing", "island")
+MOE_EXPERTS = ("replicated", "sharded")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class PCPConfig:
     layout: str = "zigzag"
     gdn_mode: str = "state_passing"
     min_split_tokens: int = 512
+    moe_experts: str = "replicated"
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -44,6 +47,10 @@ class PCPConfig:
         if self.gdn_mode not in GDN_MODES:
             raise ValueError(
                 f"qwen36_pcp: gdn_mode must be one of {GDN_MODES}, got {self.gdn_mode!r}"
+            )
+        if self.moe_experts not in MOE_EXPERTS:
+            raise ValueError(
+                f"qwen36_pcp: moe_experts must be one of {MOE_EXPERTS}, got {self.moe_experts!r}"
             )
         if int(self.min_split_tokens) < 1:
             raise ValueError(

@@ -12,6 +12,9 @@ accounting and slot mapping are those of pcp == 1, consistently in the engine co
 sizing) and in the workers (block tables, slot mapping). Split steps write all ranks' new K/V into every
 rank's cache; decode then runs replicated on every rank.
 
+Experts under PCP: vLLM 0.20.2 shards them over TP x PCP; our model keeps them whole on every PCP
+rank unless ``moe_experts="sharded"`` (``whole_experts_on_every_pcp_rank``).
+
 Runner: each step's plan comes from the scheduler output (identical on all ranks); split steps run
 eagerly (no CUDA graph, whose captured sizes are for the full batch), each rank runs the model on its
 token slice, and the full hidden states are re-assembled by an all-gather, so sampling, logprobs and
@@ -20,6 +23,7 @@ prompt logprobs see exactly what they see at pcp == 1.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -36,6 +40,8 @@ _PATCHED_MARK = "__qwen36_pcp_original__"
 _installed = False
 # Set in a worker process once its model runner serves our model with pcp > 1.
 _worker_kv_replicated = False
+# True while our model's layers are built with whole experts on every PCP rank.
+_building_whole_experts = False
 
 
 def uses_pcp(vllm_config) -> bool:
@@ -106,6 +112,7 @@ def validate_pcp_config(vllm_config) -> None:
         )
     if getattr(vllm_config.model_config, "enable_return_routed_experts", False):
         problems.append("enable_return_routed_experts together with PCP")
+    problems += whole_experts_problems(vllm_config)
     if problems:
         raise ValueError(
             f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
@@ -128,6 +135,92 @@ def install_startup_checks() -> None:
             validate_pcp_config(vllm_config)
 
     model_configs.MODELS_CONFIG_MAP[ARCHITECTURE] = Qwen36PCPConfig
+
+
+# ================================================================ model: whole experts per rank
+def wants_whole_experts(vllm_config) -> bool:
+    """Our MoE model at pcp > 1 with ``moe_experts="replicated"`` (the default)."""
+    if not uses_pcp(vllm_config) or not getattr(vllm_config.model_config.hf_text_config, "num_experts", 0):
+        return False
+    try:
+        return pcp_config_of(vllm_config).moe_experts == "replicated"
+    except ValueError:  # reported by validate_pcp_config
+        return False
+
+
+def whole_experts_bytes(vllm_config) -> int | None:
+    """Every expert's weights of every MoE layer, unquantized (None: quantized, size unknown here)."""
+    if vllm_config.model_config.quantization is not None:
+        return None
+    t = vllm_config.model_config.hf_text_config
+    layers = t.num_hidden_layers - len(getattr(t, "mlp_only_layers", None) or [])
+    per_expert = 3 * t.hidden_size * t.moe_intermediate_size
+    return layers * t.num_experts * per_expert * vllm_config.model_config.dtype.itemsize
+
+
+def whole_experts_problems(vllm_config) -> list[str]:
+    """Startup checks for whole experts: expert parallel would split them; they must fit a GPU."""
+    if not wants_whole_experts(vllm_config):
+        return []
+    problems = []
+    if vllm_config.parallel_config.enable_expert_parallel:
+        problems.append(
+            "enable_expert_parallel with moe_experts='replicated' (expert parallel splits the experts "
+            "over the PCP ranks: pass additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}})"
+        )
+    need = whole_experts_bytes(vllm_config)
+    if need is not None:
+        need //= vllm_config.parallel_config.tensor_parallel_size  # experts still shard over TP
+    try:
+        from vllm.platforms import current_platform
+
+        total = current_platform.get_device_total_memory(0)
+    except Exception:  # noqa: BLE001 - no device to ask (config built without a GPU)
+        total = None
+    util = vllm_config.cache_config.gpu_memory_utilization
+    if need is not None and total and need > 0.8 * util * total:
+        pcp = vllm_config.parallel_config.prefill_context_parallel_size
+        problems.append(
+            f"moe_experts='replicated' keeps every expert on every GPU: {need / 2**30:.3g} GiB, more than "
+            f"80% of the {util * total / 2**30:.3g} GiB that gpu_memory_utilization={util} allows; pass "
+            "additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}} to shard them over the PCP "
+            f"ranks as vLLM does ({need / pcp / 2**30:.3g} GiB each)"
+        )
+    return problems
+
+
+@contextlib.contextmanager
+def whole_experts_on_every_pcp_rank(vllm_config):
+    """Build our model's MoE layers with every expert whole on each PCP rank (no-op otherwise).
+
+    vLLM 0.20.2 shards each expert's intermediate dimension over TP x PCP and wraps the experts in a
+    PCP all-gather and a bf16 reduce-scatter. That is tp=2's MoE arithmetic: it alone moves pcp=2 as
+    far from pcp=1 as tp=2 is (``python -m tests.gpu.probe_moe_sharding``), and it costs two
+    collectives per MoE layer in every step, decode included. With whole experts each rank runs its
+    own tokens through pcp=1's kernel, which gives every token the same bits whatever the batch split
+    (``probe_moe_sharding rows``), and decode needs no MoE collective; the price is the experts'
+    full memory on every GPU (checked at startup). ``moe_experts="sharded"`` keeps vLLM's way.
+    """
+    global _building_whole_experts
+    if not wants_whole_experts(vllm_config):
+        yield
+        return
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+
+    def make(orig):
+        def __init__(self, *args, **kwargs):
+            if _building_whole_experts and kwargs.get("pcp_size") is None:
+                kwargs["pcp_size"] = 1  # FusedMoEParallelConfig then flattens TP over TP alone
+            orig(self, *args, **kwargs)
+
+        return __init__
+
+    _patch(FusedMoE, "__init__", make)
+    _building_whole_experts = True
+    try:
+        yield
+    finally:
+        _building_whole_experts = False
 
 
 # ============================================================= engine core: replicated KV cache

@@ -58,6 +58,8 @@ def _configs(ckpt):
         "fp8_kv": dict(kv_cache_dtype="fp8"),
         "unknown_option": dict(additional_config={"qwen36_pcp": {"layuot": "zigzag"}}),
         "bad_layout": dict(additional_config={"qwen36_pcp": {"layout": "ring"}}),
+        "bad_moe_experts": dict(additional_config={"qwen36_pcp": {"moe_experts": "mirrored"}}),
+        "ep_whole_experts": dict(enable_expert_parallel=True),
         "spec_decode": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
         "non_hybrid": dict(hf_overrides={**OVERRIDES, "text_config": {
@@ -73,6 +75,17 @@ def _configs(ckpt):
             out["errors"][name] = f"{type(e).__name__}: {e}"
     # the same options are fine at pcp == 1 (nothing of ours applies)
     engine_config(ckpt, hf_overrides=OVERRIDES, attention_backend="TRITON_ATTN")
+    # whole experts (12 MiB here) must fit the GPU: a 16 MiB one is too small, sharded is fine
+    import vllm.platforms as platforms
+
+    type(platforms._current_platform).get_device_total_memory = classmethod(lambda cls, i=0: 16 * 2**20)
+    try:
+        engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
+        out["errors"]["small_gpu"] = None
+    except Exception as e:  # noqa: BLE001
+        out["errors"]["small_gpu"] = f"{type(e).__name__}: {e}"
+    engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
+                  additional_config={"qwen36_pcp": {"moe_experts": "sharded"}})
     return out
 
 
@@ -89,6 +102,10 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "speculative" in out["errors"]["spec_decode"]
     assert "non-hybrid" in out["errors"]["non_hybrid"]
     assert "layuot" in out["errors"]["unknown_option"]
+    assert "mirrored" in out["errors"]["bad_moe_experts"]
+    assert "enable_expert_parallel" in out["errors"]["ep_whole_experts"]
+    assert "keeps every expert on every GPU" in out["errors"]["small_gpu"], out["errors"]["small_gpu"]
+    assert "'moe_experts': 'sharded'" in out["errors"]["small_gpu"]
 
 
 # ------------------------------------------------------------------------------- KV guards
@@ -211,6 +228,55 @@ def test_model_builds_and_every_tensor_is_mapped_or_skipped(tiny_ckpt, pcp):
     else:
         assert out["gdn"] == ["PCPGatedDeltaNetAttention"] and out["impls"] == ["PCPFlashAttentionImpl"]
     assert out["mrope"] == [list(range(5))] * 3
+
+
+def _experts_on_rank(ckpt, rank, port, options):
+    """Build the model as PCP rank ``rank`` of 2 processes, load the checkpoint, describe its experts."""
+    from qwen36_pcp.tools.fake_cuda import build_model, engine_config, use_fake_cuda
+
+    use_fake_cuda()
+    import qwen36_pcp
+
+    qwen36_pcp.register()
+    from safetensors import safe_open
+
+    cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
+                        additional_config={"qwen36_pcp": options})
+    model = build_model(cfg, port=port, rank=rank, pcp_ranks=2)
+    with safe_open(f"{ckpt}/model.safetensors", "pt") as f:
+        model.load_weights((n, f.get_tensor(n)) for n in f.keys())
+        down = f.get_tensor("model.language_model.layers.0.mlp.experts.down_proj")
+    experts = [m for m in model.modules() if hasattr(m, "moe_parallel_config")]
+    par = experts[0].moe_parallel_config
+    return {"num": len(experts), "tp_size": par.tp_size, "pcp_size": par.pcp_size,
+            "w2_shape": list(experts[0].w2_weight.shape), "w2_abs_sum": experts[0].w2_weight.double().abs().sum().item(),
+            "ckpt_down_shape": list(down.shape), "ckpt_down_abs_sum": down.double().abs().sum().item()}
+
+
+@pytest.mark.parametrize("moe_experts", ["replicated", "sharded"])
+def test_experts_whole_or_sharded_over_two_pcp_ranks(tiny_ckpt, moe_experts):
+    """Two real PCP ranks (gloo): by default every rank holds and loads every expert whole; with
+    moe_experts='sharded' vLLM's sharding over TP x PCP is kept (each rank loads its half)."""
+    import concurrent.futures as cf
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    options = {} if moe_experts == "replicated" else {"moe_experts": "sharded"}
+    with cf.ThreadPoolExecutor(2) as pool:
+        ranks = list(pool.map(lambda r: run_isolated(_experts_on_rank, tiny_ckpt, r, port, options), (0, 1)))
+    full = ranks[0]["ckpt_down_abs_sum"]
+    assert all(r["num"] == 8 for r in ranks)
+    if moe_experts == "replicated":
+        assert [(r["tp_size"], r["pcp_size"]) for r in ranks] == [(1, 1), (1, 1)]
+        assert all(r["w2_shape"] == [8, 256, 128] for r in ranks)
+        assert all(abs(r["w2_abs_sum"] - full) < 1e-6 * full for r in ranks)
+    else:
+        assert [(r["tp_size"], r["pcp_size"]) for r in ranks] == [(2, 2), (2, 2)]
+        assert all(r["w2_shape"] == [8, 256, 64] for r in ranks)
+        assert abs(sum(r["w2_abs_sum"] for r in ranks) - full) < 1e-6 * full
+        assert abs(ranks[0]["w2_abs_sum"] - ranks[1]["w2_abs_sum"]) > 0  # two different halves
 
 
 # ------------------------------------------------------------------- the runner's step plan

@@ -4,8 +4,9 @@ Built on vLLM's own Qwen3.5 layers. It loads the published multimodal checkpoint
 (``model.language_model.*``; the vision tower and the MTP head are skipped) as well as flat text
 checkpoints, MoE and dense. It adds what vLLM 0.20.2's ``Qwen3_5*ForCausalLM`` lack for a hybrid model
 (``IsHybrid`` and the mamba-state classmethods) and text-only M-RoPE positions. At
-prefill_context_parallel_size > 1 its GDN layers and attention impls switch to the PCP versions; at
-pcp == 1 it is vLLM's model.
+prefill_context_parallel_size > 1 its GDN layers and attention impls switch to the PCP versions and
+its experts stay whole on every rank (``moe_experts``; see ``runner_hooks.whole_experts_on_every_pcp_rank``);
+at pcp == 1 it is vLLM's model.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        from ..runner_hooks import whole_experts_bytes, whole_experts_on_every_pcp_rank
+
+        with whole_experts_on_every_pcp_rank(vllm_config):
+            Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
         if getattr(self.config, "num_experts", 0):
             self.set_moe_parameters()
         else:  # dense (Qwen3.6-27B-style): not a mixture of experts
@@ -45,6 +49,15 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
             self.moe_layers = []
         if vllm_config.parallel_config.prefill_context_parallel_size > 1:
             install_pcp_layers(self)
+            experts = [m for m in self.modules() if hasattr(m, "moe_parallel_config")]
+            if experts:
+                par = experts[0].moe_parallel_config
+                size = whole_experts_bytes(vllm_config)
+                logger.info(
+                    "%s: MoE experts %s over the PCP ranks (expert TP size %d%s)", ARCHITECTURE,
+                    "sharded" if par.pcp_size > 1 else "whole on every rank, not sharded",
+                    par.tp_size, "" if size is None else f", {size / par.tp_size / 2**30:.3g} GiB per GPU",
+                )
 
     # ---------------------------------------------------------------- hybrid
     @classmethod

@@ -40,8 +40,9 @@ def engine_config(model: str, **kwargs):
     return EngineArgs(model=model, **kwargs).create_engine_config()
 
 
-def build_model(vllm_config, port: int = 29555):
-    """Construct the configured model class on the CPU (single process, gloo)."""
+def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 1):
+    """Construct the configured model class on the CPU (gloo). ``pcp_ranks`` > 1: this process is
+    ``rank`` of a real PCP group of that many processes (each calls this with the same port)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -49,6 +50,6 @@ def build_model(vllm_config, port: int = 29555):
 
     model_cls, _ = get_model_architecture(vllm_config.model_config)
     with set_current_vllm_config(vllm_config), torch.device("cpu"):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-        initialize_model_parallel(1, 1, backend="gloo")
+        init_distributed_environment(pcp_ranks, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+        initialize_model_parallel(1, 1, prefill_context_model_parallel_size=pcp_ranks, backend="gloo")
         return model_cls(vllm_config=vllm_config, prefix="")
