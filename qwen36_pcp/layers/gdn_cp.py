@@ -200,6 +200,23 @@ class VllmGDNKernels:
         )
         return o[0], final
 
+    @classmethod
+    def warm_scan(cls, w: GDNWeights, num_v_heads: int, augmented: bool, device, dtype=torch.bfloat16):
+        """Build and autotune prep + the chunk scan on one 64-token chunk of random inputs, at value
+        width V (the plain scan) or V + K (``augmented_values``)."""
+        from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
+
+        T, K = FLA_CHUNK_SIZE, w.head_k_dim
+        dim = 2 * w.num_k_heads * K + num_v_heads * w.head_v_dim
+        y = torch.randn(T, dim, device=device, dtype=dtype)
+        a, b = (torch.randn(T, num_v_heads, device=device, dtype=dtype) for _ in range(2))
+        q, k, v, g, beta = cls.prep(y, a, b, w)
+        if augmented:
+            v = augmented_values(v, K)
+        init = torch.zeros(1, num_v_heads, v.shape[-1], K, device=device, dtype=torch.float32)
+        cu_cpu = torch.tensor([0, T], dtype=torch.int32)
+        cls.chunk(q, k, v, g, beta, init, cu_cpu.to(device), cu_cpu)
+
 
 # ------------------------------------------------------------------------------ conv halo
 def conv_with_halo(ctx: PCPContext, kernels, mixed_qkv, w: GDNWeights, conv_state, state_idx):

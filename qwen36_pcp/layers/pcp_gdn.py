@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import torch
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
 from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
 from .context import current_pcp_context
-from .gdn_cp import GDNWeights, VllmGDNKernels, augmented_values, gdn_island, gdn_state_passing
+from .gdn_cp import GDNWeights, VllmGDNKernels, gdn_island, gdn_state_passing
 
 
 class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
@@ -37,17 +36,8 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         if getattr(PCPGatedDeltaNetAttention, "_augmented_warmed_up", False):
             return
         PCPGatedDeltaNetAttention._augmented_warmed_up = True
-        w = self.gdn_weights()
-        T, hv = FLA_CHUNK_SIZE, self.num_v_heads // self.tp_size
-        dev, dt = mixed_qkv.device, mixed_qkv.dtype
-        y = torch.randn(T, mixed_qkv.shape[-1], device=dev, dtype=dt)
-        a, b = (torch.randn(T, hv, device=dev, dtype=dt) for _ in range(2))
-        q, k, v, g, beta = VllmGDNKernels.prep(y, a, b, w)
-        K = self.head_k_dim
-        v_aug = augmented_values(v, K)
-        init = torch.zeros(1, hv, v_aug.shape[-1], K, device=dev, dtype=torch.float32)
-        cu_cpu = torch.tensor([0, T], dtype=torch.int32)
-        VllmGDNKernels.chunk(q, k, v_aug, g, beta, init, cu_cpu.to(dev), cu_cpu)
+        VllmGDNKernels.warm_scan(self.gdn_weights(), self.num_v_heads // self.tp_size, augmented=True,
+                                 device=mixed_qkv.device, dtype=mixed_qkv.dtype)
         torch.accelerator.empty_cache()
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):

@@ -25,8 +25,5 @@ def engine_pool(request):
     """
     from . import e2e
 
-    jobs = {}
-    for item in request.session.items:
-        for marker in item.iter_markers("engine_jobs"):
-            jobs.update(marker.kwargs["builder"]())
-    return e2e.engines(jobs)
+    marks = (m for item in request.session.items for m in item.iter_markers("engine_jobs"))
+    return e2e.engines(e2e.marked_jobs(marks))

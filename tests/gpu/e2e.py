@@ -370,14 +370,20 @@ def compare(ref: list[dict], other: list[dict]) -> dict:
     return {"ok": ok, "max_logprob_diff": max_diff, "diverged_at": diverged}
 
 
-def module_jobs(module, max_gpus: int) -> dict:
-    """The engine jobs of a test module's ``engine_jobs`` markers that need at most ``max_gpus``."""
+def marked_jobs(marks, max_gpus: int | None = None) -> dict:
+    """The engine jobs that ``engine_jobs(builder=fn)`` marks declare (those needing at most
+    ``max_gpus``, if given)."""
     jobs = {}
-    for fn in vars(module).values():
-        for mark in getattr(fn, "pytestmark", []):
-            if mark.name == "engine_jobs":
-                jobs.update({k: v for k, v in mark.kwargs["builder"]().items() if v[1] <= max_gpus})
+    for mark in marks:
+        if mark.name == "engine_jobs":
+            jobs.update({k: v for k, v in mark.kwargs["builder"]().items()
+                         if max_gpus is None or v[1] <= max_gpus})
     return jobs
+
+
+def module_jobs(module, max_gpus: int) -> dict:
+    """The engine jobs of a test module's tests that need at most ``max_gpus``."""
+    return marked_jobs((m for fn in vars(module).values() for m in getattr(fn, "pytestmark", [])), max_gpus)
 
 
 def main(argv):

@@ -2,8 +2,8 @@
 machine that restores the carried Triton cache (``.devcache``, see README.md) starts them warm.
 
 A pcp=2 engine autotunes vLLM's GDN chunk kernels at the augmented value width V + K during its
-profile run (``PCPGatedDeltaNetAttention._warmup_augmented_scan``, called here on each shape); on a
-fresh 2-GPU machine that made its start ~250 s instead of 39 s. A tp=2 engine runs the plain kernels
+profile run (``VllmGDNKernels.warm_scan``, called here on each shape); on a fresh 2-GPU machine
+that made its start ~250 s instead of 39 s. A tp=2 engine runs the plain kernels
 at half the GDN heads. Shapes: the tiny checkpoint (GPU tests) and Qwen3.6-35B-A3B (benchmarks), with
 the race-free kkt configs every engine of the checks uses.
 
@@ -13,7 +13,6 @@ the race-free kkt configs every engine of the checks uses.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -29,41 +28,28 @@ def gdn_shape(preset: str) -> dict:
             "K": text["linear_key_head_dim"], "V": text["linear_value_head_dim"]}
 
 
-def fake_layer(s: dict, tp: int) -> SimpleNamespace:
-    """What ``_warmup_augmented_scan`` reads from its layer, for one TP shard of a GDN layer."""
+def shard_weights(s: dict, tp: int):
+    """Random GDN weights of one TP shard (what the scan kernels read: gates and head counts)."""
     from qwen36_pcp.layers.gdn_cp import GDNWeights
 
     hv = s["hv"] // tp
-    w = GDNWeights(conv_weight=None, conv_bias=None,
-                   A_log=torch.randn(hv, device="cuda"), dt_bias=torch.randn(hv, device="cuda"),
-                   num_k_heads=s["hk"] // tp, head_k_dim=s["K"], head_v_dim=s["V"])
-    return SimpleNamespace(gdn_weights=lambda: w, num_v_heads=s["hv"], tp_size=tp, head_k_dim=s["K"])
+    return GDNWeights(conv_weight=None, conv_bias=None,
+                      A_log=torch.randn(hv, device="cuda"), dt_bias=torch.randn(hv, device="cuda"),
+                      num_k_heads=s["hk"] // tp, head_k_dim=s["K"], head_v_dim=s["V"])
 
 
 def warm_augmented(s: dict) -> None:
-    """pcp=2 (tp=1): the layer's own profile-run warm-up."""
-    from qwen36_pcp.layers.pcp_gdn import PCPGatedDeltaNetAttention
+    """pcp=2 (tp=1): the augmented scan that the layer warms in its profile run."""
+    from qwen36_pcp.layers.gdn_cp import VllmGDNKernels
 
-    PCPGatedDeltaNetAttention._augmented_warmed_up = False  # once per process in an engine; per shape here
-    dim = 2 * s["hk"] * s["K"] + s["hv"] * s["V"]
-    PCPGatedDeltaNetAttention._warmup_augmented_scan(
-        fake_layer(s, 1), torch.empty(1, dim, device="cuda", dtype=torch.bfloat16))
+    VllmGDNKernels.warm_scan(shard_weights(s, 1), s["hv"], augmented=True, device="cuda")
 
 
 def warm_plain(s: dict, tp: int = 2) -> None:
     """tp=2 (pcp=1): vLLM's plain chunk scan at the shard's head count."""
-    from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
-
     from qwen36_pcp.layers.gdn_cp import VllmGDNKernels
 
-    layer = fake_layer(s, tp)
-    w, hv, T = layer.gdn_weights(), s["hv"] // tp, FLA_CHUNK_SIZE
-    y = torch.randn(T, 2 * w.num_k_heads * s["K"] + hv * s["V"], device="cuda", dtype=torch.bfloat16)
-    a, b = (torch.randn(T, hv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    q, k, v, g, beta = VllmGDNKernels.prep(y, a, b, w)
-    init = torch.zeros(1, hv, s["V"], s["K"], device="cuda", dtype=torch.float32)
-    cu_cpu = torch.tensor([0, T], dtype=torch.int32)
-    VllmGDNKernels.chunk(q, k, v, g, beta, init, cu_cpu.cuda(), cu_cpu)
+    VllmGDNKernels.warm_scan(shard_weights(s, tp), s["hv"] // tp, augmented=False, device="cuda")
 
 
 def main() -> None:
