@@ -420,8 +420,9 @@ def runner_split_steps() -> None:
 def _same_sample_rows(runner, state: RunnerPCPState, hidden: torch.Tensor) -> torch.Tensor:
     """Unsplit steps run replicated; make the rows that get sampled bit-identical on every rank.
 
-    (With more than two ranks vLLM's MoE reduce-scatter may sum in a different order per rank; every
-    rank must sample the same token because it feeds its own sample into the next step.)
+    (With ``moe_experts="sharded"`` and more than two ranks vLLM's MoE reduce-scatter may sum in a
+    different order per rank; every rank must sample the same token because it feeds its own sample
+    into the next step.)
     """
     num_reqs = runner.input_batch.num_reqs
     rows = runner.query_start_loc.gpu[1 : num_reqs + 1].long() - 1

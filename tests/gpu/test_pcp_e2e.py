@@ -116,7 +116,8 @@ def test_chunked_prefill_and_prefix_caching(engine_pool):
     """Case 2: max_num_batched_tokens=2048 on a 20000-token prompt (10 chunks, each a continuation).
     Case 3: a 20000-token prefix sent twice with different suffixes; the second is a cache hit.
     One engine per parallel setting runs both (prefix caching on, 2048-token chunks). Reported, not
-    judged: the noise floor and pcp2 in island mode (exact GDN: what is left is the token split)."""
+    judged: the noise floor and pcp2 in island mode (GDN as at pcp1: what is left is the token split,
+    which whole experts and row-invariant GEMMs make exact)."""
     res = _results(engine_pool, "case2_3", {**PARALLEL, **NOISE_FLOOR, **ISLAND})
     for case, runs in (("case2_chunked_prefill", [0]), ("case3_prefix_cache", [1, 2])):
         for name, what in (("pcp1_chunk4096", "noise floor, pcp1 with 4096-token chunks"),
@@ -155,9 +156,10 @@ def _first_token_diff(ref, other):
 
 @pytest.mark.engine_jobs(builder=case3_repeat_jobs)
 def test_prefix_caching_four_prefixes(engine_pool):
-    """Case 3 over four prefixes (8 requests, the second four cache hits), with island mode (exact GDN:
-    what is left against pcp1 is the MoE sharded over the PCP ranks) to tell GDN state-passing error
-    from the rest. Reports each prompt's first-token (pure prefill) |dlogprob| per setting."""
+    """Case 3 over four prefixes (8 requests, the second four cache hits), with island mode (GDN as at
+    pcp1; with the experts whole on every rank nothing else differs in arithmetic) to tell GDN
+    state-passing error from the rest. Reports each prompt's first-token (pure prefill) |dlogprob| per
+    setting."""
     res = _results(engine_pool, "case3_repeat", {**PARALLEL, **ISLAND})
     outs = {k: e2e.outputs(v) for k, v in res.items()}
     first = {k: [_first_token_diff(x, y) for x, y in zip(outs["pcp1"], o)]
