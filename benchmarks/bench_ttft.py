@@ -1,4 +1,5 @@
-"""Time to first token vs prompt length: pcp=1, tp=2, pcp=2 (state passing), pcp=2 (island).
+"""Time to first token vs prompt length, and decode ITL: pcp=1, tp=2, pcp=2 (state passing), pcp=2
+(island), pcp=2 with vLLM's expert sharding (``moe_experts="sharded"``; the others keep experts whole).
 
 Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no download), eager
 (``--compiled``: vLLM's default torch.compile + CUDA graphs), the whole prompt in one prefill step.
@@ -31,7 +32,10 @@ CONFIGS = {
                                additional_config={"qwen36_pcp": {"gdn_mode": "state_passing"}}),
     "pcp2_island": dict(prefill_context_parallel_size=2,
                         additional_config={"qwen36_pcp": {"gdn_mode": "island"}}),
+    "pcp2_sharded_experts": dict(prefill_context_parallel_size=2,
+                                 additional_config={"qwen36_pcp": {"moe_experts": "sharded"}}),
 }
+ITL_PROMPT, ITL_TOKENS = 1024, 129  # decode: (time for 129 tokens - time for 1) / 128
 
 
 KKT_ENV = {"race_free": "1", "all": "0"}  # -> QWEN36_PCP_DETERMINISTIC_GDN in every engine
@@ -98,6 +102,25 @@ def child(model: str, config: str, tokens: list[int], reps: int, path: str, comp
         out[n] = statistics.median(times)
         with open(path, "w") as f:
             json.dump(out, f)
+    out["itl_ms"] = 1e3 * decode_itl(llm, reps)
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+def decode_itl(llm, reps: int) -> float:
+    """Seconds per decode step of one request (after a short, unsplit prompt), median of ``reps``."""
+    from vllm import SamplingParams
+
+    p = prompt(ITL_PROMPT)
+
+    def run(n):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([p], sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(ITL_TOKENS)  # warm-up
+    return statistics.median((run(ITL_TOKENS) - run(1)) / (ITL_TOKENS - 1) for _ in range(reps))
 
 
 def main():
@@ -150,6 +173,9 @@ def report(out: str, configs: list[str], tokens: list[int]) -> None:
             t = table[c].get(str(n), float("nan"))
             cells.append(f"{t:>17.3f} ({base / t:4.2f}x)")
         print(f"{n:>8} | " + " | ".join(cells))
+    base = table.get("pcp1", {}).get("itl_ms", float("nan"))
+    itl = [table[c].get("itl_ms", float("nan")) for c in configs]
+    print(f"{'ITL ms':>8} | " + " | ".join(f"{t:>17.2f} ({base / t:4.2f}x)" for t in itl))
     with open(os.path.join(out, "bench_ttft.json"), "w") as f:
         json.dump(table, f, indent=1)
 
