@@ -1,4 +1,4 @@
-"""GDN layer time per rank: state passing vs island vs one GPU, Qwen3.6-35B-A3B GDN shape, 2 GPUs.
+"""GDN layer time per rank: relay vs state passing vs island vs one GPU, Qwen3.6-35B-A3B GDN shape, 2 GPUs.
 
     python benchmarks/bench_gdn_cp.py --out results/   # needs 2 GPUs; prints a table, writes JSON + PNG
 
@@ -18,6 +18,7 @@ from qwen36_pcp.tools.plot import save_figure
 
 HIDDEN = 2048
 TOKENS = (32768, 131072)
+MODES = ("relay", "state_passing", "island")
 
 
 def _time(fn, group, reps=5):
@@ -39,7 +40,13 @@ def _time(fn, group, reps=5):
 
 def _worker(rank, group, tokens):
     from qwen36_pcp.layers.context import PCPContext
-    from qwen36_pcp.layers.gdn_cp import VllmGDNKernels, gdn_full_reference, gdn_island, gdn_state_passing
+    from qwen36_pcp.layers.gdn_cp import (
+        VllmGDNKernels,
+        gdn_full_reference,
+        gdn_island,
+        gdn_relay,
+        gdn_state_passing,
+    )
     from qwen36_pcp.plan import PCPConfig, PCPPlan
     from qwen36_pcp.tools.layer_inputs import GDN, gdn_inputs
 
@@ -75,9 +82,10 @@ def _worker(rank, group, tokens):
         def pcp(mode):
             ctx = PCPContext(plan, group, dev)
             conv, ssm = inp["conv_state"].clone(), inp["ssm_state"].clone()
-            if mode == "state_passing":
-                core = lambda o: gdn_state_passing(ctx, VllmGDNKernels, *local, o, w, conv, ssm,  # noqa: E731
-                                                   inp["state_idx"][:1])
+            if mode != "island":
+                fn = gdn_relay if mode == "relay" else gdn_state_passing
+                core = lambda o: fn(ctx, VllmGDNKernels, *local, o, w, conv, ssm,  # noqa: E731
+                                    inp["state_idx"][:1])
             else:
                 core = lambda o: gdn_island(  # noqa: E731
                     ctx, lambda q_, b_, a_, o_: gdn_full_reference(
@@ -86,11 +94,11 @@ def _worker(rank, group, tokens):
             layer(t_loc, core)
             sent[mode] = ctx.bytes_sent
 
-        t_one = _time(one_gpu, group)  # every rank runs it: _time synchronises with barriers
-        t_sp = _time(lambda: pcp("state_passing"), group)
-        t_is = _time(lambda: pcp("island"), group)
-        rows.append(dict(tokens=T, one_gpu_ms=t_one, state_passing_ms=t_sp, island_ms=t_is,
-                         state_passing_bytes=sent["state_passing"], island_bytes=sent["island"]))
+        row = dict(tokens=T, one_gpu_ms=_time(one_gpu, group))  # every rank: _time syncs with barriers
+        for mode in MODES:
+            row[f"{mode}_ms"] = _time(lambda: pcp(mode), group)
+            row[f"{mode}_bytes"] = sent[mode]
+        rows.append(row)
     return rows
 
 
@@ -106,31 +114,28 @@ def main():
     table = []
     for i, T in enumerate(args.tokens):
         r = [pr[i] for pr in per_rank]
-        one = r[0]["one_gpu_ms"]
-        sp = max(x["state_passing_ms"] for x in r)
-        isl = max(x["island_ms"] for x in r)
-        mib = max(x["state_passing_bytes"] for x in r) / 2**20
-        table.append(dict(tokens=T, one_gpu_ms=one, pcp2_state_passing_ms=sp, pcp2_island_ms=isl,
-                          state_passing_vs_one_gpu=sp / one, island_vs_one_gpu=isl / one,
-                          state_passing_MiB_sent_per_rank=mib,
-                          island_MiB_sent_per_rank=max(x["island_bytes"] for x in r) / 2**20))
-    hdr = ("tokens", "1 GPU ms", "pcp2 SP ms", "pcp2 island ms", "SP/1GPU", "island/1GPU", "SP MiB/rank", "island MiB/rank")
+        row = dict(tokens=T, one_gpu_ms=r[0]["one_gpu_ms"])
+        for mode in MODES:  # the slowest rank's time, the larger rank's bytes
+            row[f"pcp2_{mode}_ms"] = max(x[f"{mode}_ms"] for x in r)
+            row[f"{mode}_vs_one_gpu"] = row[f"pcp2_{mode}_ms"] / row["one_gpu_ms"]
+            row[f"{mode}_MiB_sent_per_rank"] = max(x[f"{mode}_bytes"] for x in r) / 2**20
+        table.append(row)
     print("GDN layer (Qwen3.6-35B-A3B shape: 16 QK / 32 V heads x 128), time per rank, slowest rank")
-    print(" | ".join(f"{h:>14}" for h in hdr))
+    cols = ["tokens", "one_gpu_ms"] + [f"pcp2_{m}_ms" for m in MODES] + [f"{m}_vs_one_gpu" for m in MODES] \
+        + [f"{m}_MiB_sent_per_rank" for m in MODES]
+    print(" | ".join(f"{c:>14.14}" for c in cols))
     for t in table:
-        print(" | ".join(f"{v:>14.3f}" if isinstance(v, float) else f"{v:>14}" for v in (
-            t["tokens"], t["one_gpu_ms"], t["pcp2_state_passing_ms"], t["pcp2_island_ms"],
-            t["state_passing_vs_one_gpu"], t["island_vs_one_gpu"], t["state_passing_MiB_sent_per_rank"],
-            t["island_MiB_sent_per_rank"])))
+        print(" | ".join(f"{t[c]:>14.3f}" if isinstance(t[c], float) else f"{t[c]:>14}" for c in cols))
     with open(os.path.join(args.out, "bench_gdn_cp.json"), "w") as f:
         json.dump(table, f, indent=1)
     def draw(ax):
-        series = (("one_gpu_ms", "1 GPU"), ("pcp2_state_passing_ms", "pcp=2 state passing"),
-                  ("pcp2_island_ms", "pcp=2 island"))
+        series = [("one_gpu_ms", "1 GPU")] + [(f"pcp2_{m}_ms", f"pcp=2 {m}") for m in MODES]
+        width = 0.8 / len(series)
         for i, (key, label) in enumerate(series):
-            ax.bar([x + 0.27 * i for x in range(len(table))], [t[key] for t in table], width=0.27,
+            ax.bar([x + width * i for x in range(len(table))], [t[key] for t in table], width=width,
                    label=label)
-        ax.set_xticks([x + 0.27 for x in range(len(table))], [f"{t['tokens'] // 1024}k" for t in table])
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(table))],
+                      [f"{t['tokens'] // 1024}k" for t in table])
         ax.set_ylabel("GDN layer time per rank (ms)")
 
     save_figure(os.path.join(args.out, "bench_gdn_cp.png"), draw)

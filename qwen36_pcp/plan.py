@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 LAYOUTS = ("zigzag", "contiguous")
-GDN_MODES = ("state_passing", "island")
+GDN_MODES = ("relay", "state_passing", "island")
 MOE_EXPERTS = ("replicated", "sharded")
 
 
@@ -37,7 +37,7 @@ class PCPConfig:
     """User-facing PCP options, from ``additional_config={"qwen36_pcp": {...}}``."""
 
     layout: str = "zigzag"
-    gdn_mode: str = "state_passing"
+    gdn_mode: str = "relay"
     min_split_tokens: int = 512
     moe_experts: str = "replicated"
 
@@ -98,9 +98,21 @@ class Segment:
         return self.end - self.start
 
 
+# fla's chunk size: the chunked GDN kernels cut every sequence into 64-token chunks from its start.
+GDN_CHUNK = 64
+
+
 def block_bounds(num_tokens: int, num_blocks: int) -> np.ndarray:
-    """Near-equal block boundaries, sizes differ by at most one token."""
-    return (np.arange(num_blocks + 1, dtype=np.int64) * num_tokens) // num_blocks
+    """Near-equal block boundaries on whole GDN chunks (the last block takes the remainder), so a
+    block's scan cuts the same chunks as one GPU's scan of the whole step; near-equal to the token
+    below ``GDN_CHUNK`` tokens per block."""
+    steps = np.arange(num_blocks + 1, dtype=np.int64)
+    chunks = num_tokens // GDN_CHUNK
+    if chunks < num_blocks:
+        return steps * num_tokens // num_blocks
+    bounds = steps * chunks // num_blocks * GDN_CHUNK
+    bounds[-1] = num_tokens
+    return bounds
 
 
 def block_owner(block: int, world_size: int, layout: str) -> int:
@@ -159,15 +171,15 @@ class PCPPlan:
 
     # ------------------------------------------------------------------ layout
     def _segments_of(self, r: int) -> list[Segment]:
-        segs = []
-        for i in range(self.num_reqs):
-            if self.split[i]:
-                bounds = self.block_bounds[i]
-                for b in range(self.num_blocks):
-                    if block_owner(b, self.world_size, self.config.layout) == r:
-                        segs.append(Segment(i, int(bounds[b]), int(bounds[b + 1]), b))
-            else:
-                segs.append(Segment(i, 0, int(self.num_new[i]), -1))
+        """Replicated requests first, then rank r's runs of blocks in chain order, each run request by
+        request (``run_rows``: a run's rows are contiguous, a request's blocks in it adjacent)."""
+        segs = [Segment(int(i), 0, int(self.num_new[i]), -1) for i in np.flatnonzero(~self.split)]
+        for owner, first, last in self.summary_runs:
+            if owner != r:
+                continue
+            for i in self.split_reqs:
+                bounds = self.block_bounds[int(i)]
+                segs += [Segment(int(i), int(bounds[b]), int(bounds[b + 1]), b) for b in range(first, last + 1)]
         return segs
 
     def _build_row_maps(self) -> None:
@@ -251,6 +263,24 @@ class PCPPlan:
             else:
                 runs.append((owner, b, b))
         return runs
+
+    def run_rows(self, r: int | None = None) -> list[np.ndarray]:
+        """Rank r's runs in chain order: the local row bounds [Rs + 1] of each run's sequences, one per
+        split request (its blocks of the run back to back), contiguous from the run's first row."""
+        r = self.rank if r is None else r
+        offs, segs, out = self.seg_offsets[r], self.segments[r], []
+        if not self.splits_any:
+            return out
+        for owner, first, last in self.summary_runs:
+            if owner != r:
+                continue
+            starts = [self.slot_of[r][(int(i), first)] for i in self.split_reqs]
+            ends = [self.slot_of[r][(int(i), last)] + 1 for i in self.split_reqs]
+            assert all(e == s for s, e in zip(starts[1:], ends)), "a run's rows are not contiguous"
+            assert all(segs[j].block == b for s in starts for j, b in zip(range(s, s + last - first + 1),
+                                                                            range(first, last + 1)))
+            out.append(offs[np.asarray(starts + ends[-1:], dtype=np.int64)])
+        return out
 
     def split_block_slots(self, r: int | None = None) -> dict[int, list[int]]:
         """Rank r's blocks of the split requests: block -> local segment position of each request."""

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from qwen36_pcp.plan import PCPConfig, PCPPlan, block_owner
+from qwen36_pcp.plan import GDN_CHUNK, PCPConfig, PCPPlan, block_owner
 
 
 def random_batches(seed, count):
@@ -70,6 +70,20 @@ def test_plan_properties(world_size, layout, min_split):
                 for s in p0.segments[r]:
                     if s.req == i:
                         assert block_owner(s.block, world_size, layout) == r
+        # blocks on whole GDN chunks when every block can get one; the relay's runs are row ranges
+        for i in p0.split_reqs:
+            if num_new[i] >= GDN_CHUNK * cfg.num_blocks(world_size):
+                assert (p0.block_bounds[int(i)][:-1] % GDN_CHUNK == 0).all()
+        for r in range(world_size):
+            runs = p0.run_rows(r)
+            assert len(runs) == sum(own == r for own, _, _ in p0.summary_runs) * bool(p0.splits_any)
+            rep_rows = sum(s.length for s in p0.segments[r] if s.block < 0)
+            covered = [rep_rows] + [int(c[0]) for c in runs] + [int(c[-1]) for c in runs]
+            assert sorted(covered)[0] == rep_rows  # replicated rows first, then the runs
+            for cu in runs:
+                for k, i in enumerate(p0.split_reqs):
+                    rows = p0.local_full_idx[r, cu[k] : cu[k + 1]] - p0.req_start[i]
+                    assert np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows)))  # in order
         # last token owner: the rank with the primary copy of the last new token
         owner = p0.last_token_owner()
         for i in range(p0.num_reqs):
@@ -91,8 +105,9 @@ def test_plan_properties(world_size, layout, min_split):
 
 
 def test_zigzag_balances_causal_work():
-    """With equal blocks zigzag gives every rank the same causal attention work; contiguous does not."""
-    for world_size, n in itertools.product((2, 3, 4), (64, 640, 6400)):
+    """With equal blocks zigzag gives every rank the same causal attention work; contiguous does not.
+    Blocks are whole 64-token GDN chunks (unless a block would get none), so equal up to a chunk."""
+    for world_size, n in itertools.product((2, 3, 4), (64, 640, 6400, 65536)):
         work = {}
         for layout in ("zigzag", "contiguous"):
             plan = PCPPlan([0], [n], world_size, 0, PCPConfig(layout=layout, min_split_tokens=1))
@@ -107,7 +122,9 @@ def test_zigzag_balances_causal_work():
         total = n * (n + 1) // 2
         assert work["zigzag"].sum() == work["contiguous"].sum() == total
         zz = work["zigzag"]
-        assert zz.max() / zz.min() < 1 + 8 * world_size / n  # equal up to rounding of block sizes
+        nb = 2 * world_size
+        rounding = GDN_CHUNK if n >= GDN_CHUNK * nb else 1  # the unit block sizes are rounded to
+        assert zz.max() / zz.min() <= 1 + 4 * world_size * rounding / n
         cont = work["contiguous"]
         assert cont.max() / cont.min() > 2  # the last rank does (2N-1)x the first's work
 
@@ -176,7 +193,9 @@ def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="layout"):
         PCPConfig(layout="ring")
     with pytest.raises(ValueError, match="gdn_mode"):
-        PCPConfig(gdn_mode="relay")
+        PCPConfig(gdn_mode="ring")
+    with pytest.raises(ValueError, match="moe_experts"):
+        PCPConfig(moe_experts="mirrored")
     with pytest.raises(ValueError, match="unknown option"):
         PCPConfig.from_additional_config({"qwen36_pcp": {"layuot": "zigzag"}})
     assert PCPConfig.from_additional_config(None) == PCPConfig()

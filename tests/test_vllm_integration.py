@@ -300,7 +300,9 @@ def test_runner_plan_from_step_inputs():
         state.config, state.world_size, state.rank = PCPConfig(), 2, rank
         plans.append(state.plan(runner, num_tokens_padded=3712))
     assert plans[0].split.tolist() == [False, False, True, True]
-    assert plans[0].t_pad == plans[1].t_pad == 2 + 1850
+    # 2 decode rows, then rank 0's blocks 0 and 3 (whole 64-token chunks, the last block takes the
+    # rest): 704 + 824 of the 3000 tokens, 128 + 252 of the 700
+    assert plans[0].t_pad == plans[1].t_pad == 2 + 704 + 824 + 128 + 252
     assert plans[0].num_tokens_padded == 3712
     assert np.array_equal(plans[0].local_full_idx, plans[1].local_full_idx)
     state.config = PCPConfig(min_split_tokens=100000)

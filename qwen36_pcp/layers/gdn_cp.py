@@ -111,6 +111,23 @@ class TorchGDNKernels:
         return o.to(v.dtype), final
 
 
+    # relay: chunk-local steps once, then the state recurrence and the outputs run by run
+    @staticmethod
+    def chunk_local(q, k, v, g, beta, cu, cu_cpu, cache=None):
+        return SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta)
+
+    @staticmethod
+    def chunk_states(prep, lo, hi, init, cu, cu_cpu, cache=None):
+        """Rows [lo, hi) as sequences ``cu`` (relative to lo) from ``init`` -> (final fp32, pending)."""
+        o, final = TorchGDNKernels.chunk(prep.q[lo:hi], prep.k[lo:hi], prep.v[lo:hi], prep.g[lo:hi],
+                                         prep.beta[lo:hi], init, cu, cu_cpu)
+        return final, o
+
+    @staticmethod
+    def chunk_outputs(prep, lo, hi, pending, cu, cu_cpu, cache=None):
+        return pending
+
+
 class VllmGDNKernels:
     """vLLM 0.20.2's kernels: causal_conv1d_fn, fused_post_conv_prep and its bundled fla chunk scan.
 
@@ -216,6 +233,67 @@ class VllmGDNKernels:
         init = torch.zeros(1, num_v_heads, v.shape[-1], K, device=device, dtype=torch.float32)
         cu_cpu = torch.tensor([0, T], dtype=torch.int32)
         cls.chunk(q, k, v, g, beta, init, cu_cpu.to(device), cu_cpu)
+
+
+    # relay: the steps of vLLM's chunk_gated_delta_rule_fwd, split where the recurrence starts
+    @staticmethod
+    def _chunk_meta(cu_cpu, device, cache):
+        from vllm.model_executor.layers.fla.ops.index import (
+            prepare_chunk_indices,
+            prepare_chunk_offsets,
+        )
+        from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
+
+        cache = {} if cache is None else cache
+        key = ("chunk_meta", id(cu_cpu))
+        if key not in cache:
+            cache[key] = (
+                prepare_chunk_indices(cu_cpu, FLA_CHUNK_SIZE).to(device, non_blocking=True),
+                prepare_chunk_offsets(cu_cpu, FLA_CHUNK_SIZE).to(device, non_blocking=True),
+            )
+        return cache[key]
+
+    @staticmethod
+    def chunk_local(q, k, v, g, beta, cu, cu_cpu, cache=None):
+        """cumsum of g, beta K K^T, its triangular solve and the WY factors w, u: chunk by chunk, so one
+        call for every local row gives each run's rows what a call on the run alone would."""
+        from vllm.model_executor.layers.fla.ops.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+        from vllm.model_executor.layers.fla.ops.cumsum import chunk_local_cumsum
+        from vllm.model_executor.layers.fla.ops.solve_tril import solve_tril
+        from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
+        from vllm.model_executor.layers.fla.ops.wy_fast import recompute_w_u_fwd
+
+        q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g, beta))
+        chunk_indices, _ = VllmGDNKernels._chunk_meta(cu_cpu, q.device, cache)
+        g = chunk_local_cumsum(g, chunk_size=FLA_CHUNK_SIZE, cu_seqlens=cu, chunk_indices=chunk_indices)
+        A = chunk_scaled_dot_kkt_fwd(k=k, beta=beta, g=g, cu_seqlens=cu, chunk_indices=chunk_indices,
+                                     output_dtype=torch.float32)
+        A = solve_tril(A=A, cu_seqlens=cu, chunk_indices=chunk_indices, output_dtype=k.dtype)
+        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g_cumsum=g, cu_seqlens=cu,
+                                 chunk_indices=chunk_indices)
+        return SimpleNamespace(q=q, k=k, g=g, w=w, u=u)
+
+    @staticmethod
+    def chunk_states(prep, lo, hi, init, cu, cu_cpu, cache=None):
+        from vllm.model_executor.layers.fla.ops.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+        chunk_indices, chunk_offsets = VllmGDNKernels._chunk_meta(cu_cpu, init.device, cache)
+        h, v_new, final = chunk_gated_delta_rule_fwd_h(
+            k=prep.k[:, lo:hi], w=prep.w[:, lo:hi], u=prep.u[:, lo:hi], g=prep.g[:, lo:hi],
+            initial_state=init, output_final_state=True, cu_seqlens=cu, chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets,
+        )
+        return final, (h, v_new)
+
+    @staticmethod
+    def chunk_outputs(prep, lo, hi, pending, cu, cu_cpu, cache=None):
+        from vllm.model_executor.layers.fla.ops.chunk_o import chunk_fwd_o
+
+        h, v_new = pending
+        chunk_indices, _ = VllmGDNKernels._chunk_meta(cu_cpu, h.device, cache)
+        o = chunk_fwd_o(q=prep.q[:, lo:hi], k=prep.k[:, lo:hi], v=v_new, h=h, g=prep.g[:, lo:hi],
+                        scale=prep.k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_indices=chunk_indices)
+        return o[0].to(prep.q.dtype)
 
 
 # ------------------------------------------------------------------------------ conv halo
@@ -350,6 +428,50 @@ def _fold_split_states(ctx: PCPContext, o, final, core_attn_out, V):
             s = local[blk]
             x_in = s[:, :, :V] if x_in is None else _compose(x_in, s, V)
     return x
+
+
+# ----------------------------------------------------------------------------------- relay
+def gdn_relay(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, w: GDNWeights,
+              conv_state, ssm_state, state_idx):
+    """GDN core of this rank's tokens, bit for bit one GPU's scan (blocks on whole chunks).
+
+    The split requests' runs of blocks are scanned in chain order, each from the true end state of
+    the run before it, which one all-gather per run hands on. The chunk-local steps run for all local
+    tokens at once and a run's outputs after its state is sent, so only the state recurrence is
+    serial. Same arguments as ``gdn_state_passing``.
+    """
+    plan = ctx.plan
+    T = ctx.t.num_local_tokens
+    y = conv_with_halo(ctx, kernels, mixed_qkv, w, conv_state, state_idx)
+    q, k, v, g, beta = kernels.prep(y, a[:T], b[:T], w)
+    idx = ctx.relay_index()
+    cache = ctx.t.extra
+    prep = kernels.chunk_local(q, k, v, g, beta, ctx.t.cu_q, ctx.t.cu_q_cpu, cache=cache)
+
+    def start_states(reqs, from_cache):
+        cached = ssm_state.index_select(0, state_idx.index_select(0, reqs)).float()
+        return torch.where(from_cache[:, None, None, None], cached, 0.0)
+
+    rows, cu, cu_cpu = idx["replicated"]
+    if rows:
+        init = start_states(idx["replicated_reqs"], idx["replicated_from_cache"])
+        final, pending = kernels.chunk_states(prep, 0, rows, init, cu, cu_cpu, cache)
+        core_attn_out[:rows] = kernels.chunk_outputs(prep, 0, rows, pending, cu, cu_cpu, cache)
+        ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = final.to(ssm_state.dtype)
+    if not len(plan.split_reqs):
+        return
+    x = start_states(idx["split_reqs"], idx["split_from_cache"])
+    mine = iter(idx["runs"])
+    for own, _, _ in plan.summary_runs:
+        if own == plan.rank:
+            lo, hi, cu, cu_cpu = next(mine)
+            payload, pending = kernels.chunk_states(prep, lo, hi, x, cu, cu_cpu, cache)
+        else:
+            payload = torch.zeros_like(x)
+        x = ctx.all_gather(payload).view(plan.world_size, *x.shape)[own]
+        if own == plan.rank:
+            core_attn_out[lo:hi] = kernels.chunk_outputs(prep, lo, hi, pending, cu, cu_cpu, cache)
+    ssm_state[state_idx.index_select(0, idx["split_reqs"])] = x.to(ssm_state.dtype)
 
 
 # ---------------------------------------------------------------------------------- island

@@ -1,4 +1,4 @@
-"""vLLM's GatedDeltaNetAttention with context-parallel steps (state passing or island).
+"""vLLM's GatedDeltaNetAttention with context-parallel steps (relay, state passing or island).
 
 Only the core (conv + gated delta rule) changes: projections, gated norm and out_proj run on the local
 tokens as usual. Steps without a PCP context (pcp == 1, decode-only steps, profiling) take vLLM's path.
@@ -12,10 +12,13 @@ from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttent
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
 from .context import current_pcp_context
-from .gdn_cp import GDNWeights, VllmGDNKernels, gdn_island, gdn_state_passing
+from .gdn_cp import GDNWeights, VllmGDNKernels, gdn_island, gdn_relay, gdn_state_passing
+
+CORES = {"relay": gdn_relay, "state_passing": gdn_state_passing}
 
 
 class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
+    pcp_gdn_mode = "relay"  # set per layer from the PCP config when the model installs the class
     def gdn_weights(self) -> GDNWeights:
         w = self.conv1d.weight
         return GDNWeights(
@@ -43,8 +46,8 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         ctx = current_pcp_context()
         if ctx is None:
-            if get_forward_context().attn_metadata is None:  # profile run
-                self._warmup_augmented_scan(mixed_qkv)
+            if get_forward_context().attn_metadata is None and self.pcp_gdn_mode == "state_passing":
+                self._warmup_augmented_scan(mixed_qkv)  # profile run (relay uses vLLM's own shapes)
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
         if ctx.plan.config.gdn_mode == "island":
             return gdn_island(ctx, super()._forward_core, mixed_qkv, b, a, core_attn_out)
@@ -53,5 +56,5 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         if not is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)
         state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
-        gdn_state_passing(ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(),
-                          conv_state, self.kv_cache[1], state_idx)
+        CORES[ctx.plan.config.gdn_mode](ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out,
+                                        self.gdn_weights(), conv_state, self.kv_cache[1], state_idx)

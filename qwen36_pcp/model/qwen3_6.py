@@ -48,7 +48,9 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
             self.expert_weights = []
             self.moe_layers = []
         if vllm_config.parallel_config.prefill_context_parallel_size > 1:
-            install_pcp_layers(self)
+            from ..plan import PCPConfig
+
+            install_pcp_layers(self, PCPConfig.from_additional_config(vllm_config.additional_config))
             experts = [m for m in self.modules() if hasattr(m, "moe_parallel_config")]
             if experts:
                 par = experts[0].moe_parallel_config
@@ -103,7 +105,7 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
         return loaded
 
 
-def install_pcp_layers(model: torch.nn.Module) -> None:
+def install_pcp_layers(model: torch.nn.Module, config) -> None:
     """Switch GDN layers and attention impls to their PCP versions (same weights, same caches)."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
@@ -113,6 +115,7 @@ def install_pcp_layers(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, GatedDeltaNetAttention):
             module.__class__ = PCPGatedDeltaNetAttention
+            module.pcp_gdn_mode = config.gdn_mode
         elif isinstance(module, Attention):
             impl = module.impl
             if type(impl) is not FlashAttentionImpl:

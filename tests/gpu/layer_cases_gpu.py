@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qwen36_pcp.layers.context import PCPContext
-from qwen36_pcp.layers.gdn_cp import VllmGDNKernels, gdn_full_reference, gdn_island, gdn_state_passing
+from qwen36_pcp.layers.gdn_cp import VllmGDNKernels, gdn_full_reference, gdn_island, gdn_relay, gdn_state_passing
 from qwen36_pcp.layers.split_attention import attend_local_flash, gather_kv_for_cache
 from qwen36_pcp.plan import PCPConfig, PCPPlan
 from qwen36_pcp.tools.layer_inputs import ATTN, GDN, gdn_inputs
@@ -92,13 +92,14 @@ def gdn_case(rank, group, layout="zigzag"):
     idx = plan.device_tensors(dev).local_idx
     n = plan.num_local_tokens
     res = {}
-    for mode in ("state_passing", "island"):
+    for mode in ("relay", "state_passing", "island"):
         ctx = PCPContext(plan, group, dev)
         conv, ssm = inp["conv_state"].clone(), inp["ssm_state"].clone()
         out = torch.zeros(plan.t_pad, hv, dv, device=dev, dtype=torch.bfloat16)
         local = [inp[k][idx] for k in ("mixed_qkv", "b", "a")]
-        if mode == "state_passing":
-            gdn_state_passing(ctx, VllmGDNKernels, *local, out, w, conv, ssm, inp["state_idx"])
+        if mode != "island":
+            core = gdn_relay if mode == "relay" else gdn_state_passing
+            core(ctx, VllmGDNKernels, *local, out, w, conv, ssm, inp["state_idx"])
         else:
             gdn_island(ctx, lambda q_, b_, a_, o_: full(q_, b_, a_, o_, conv, ssm), *local, out)
         res[mode] = {"output": errors(out[:n], ref_out[idx[:n]]), "ssm_state": errors(ssm, ref_ssm),

@@ -1,16 +1,18 @@
-"""How far is GDN state passing (pcp=2) from exact, next to vLLM's own one-GPU kernels? (1 GPU)
+"""How far are GDN state passing and the relay (pcp=2) from exact, next to vLLM's own one-GPU
+kernels? (1 GPU)
 
     python -m tests.gpu.probe_gdn_precision [--out DIR]
 
-Both are compared with an fp32 reference scan (``TorchGDNKernels``) of the same bf16 inputs, at the
+All are compared with an fp32 reference scan (``TorchGDNKernels``) of the same bf16 inputs, at the
 Qwen3.6-35B-A3B GDN shape, with gates that keep a long memory (the tiny checkpoint's dt_bias law),
 so the state carried into the second rank's block matters. The two ranks of ``gdn_state_passing``
-run one after the other in this process: each ``all_gather`` hands out what every rank put in on the
-previous pass (``ReplayGroup``), and the passes repeat until no payload changes, which makes the
-result exactly what two GPUs compute (the kernels are deterministic with ``race_free_gdn_kkt``).
-Prints, per case, the relative RMS and max error against the fp32 scan (``pcp2_vs_one_gpu``: against
-the one-GPU kernels) of the outputs (all tokens, and the tokens whose output gets the state-passing
-correction) and of the final states.
+(or ``gdn_relay``) run one after the other in this process: each ``all_gather`` hands out what every
+rank put in on the previous pass (``ReplayGroup``), and the passes repeat until no payload changes,
+which makes the result exactly what two GPUs compute (the kernels are deterministic with
+``race_free_gdn_kkt``). Prints, per case, the relative RMS and max error against the fp32 scan
+(``*_vs_one_gpu``: against the one-GPU kernels) of the outputs (all tokens, and the tokens whose
+output gets the state-passing correction) and of the final states. The relay should equal the
+one-GPU kernels bit for bit.
 """
 
 from __future__ import annotations
@@ -60,8 +62,13 @@ def _inputs(num_computed, num_new, dev):
 
 def run_case(num_computed, num_new, dev, world_size=2, kernels=None):
     """``kernels``: the bf16 kernels under test (vLLM's by default; the torch ones check this probe on CPU)."""
-    from qwen36_pcp.layers.context import PCPContext
-    from qwen36_pcp.layers.gdn_cp import TorchGDNKernels, VllmGDNKernels, gdn_full_reference, gdn_state_passing
+    from qwen36_pcp.layers.gdn_cp import (
+        TorchGDNKernels,
+        VllmGDNKernels,
+        gdn_full_reference,
+        gdn_relay,
+        gdn_state_passing,
+    )
     from qwen36_pcp.plan import PCPConfig, PCPPlan
 
     kernels = kernels or VllmGDNKernels
@@ -83,26 +90,9 @@ def run_case(num_computed, num_new, dev, world_size=2, kernels=None):
 
     plans = [PCPPlan(num_computed, num_new, world_size, r, PCPConfig(min_split_tokens=64))
              for r in range(world_size)]
-    book, outs, ssms = {}, {}, {}
-    for _ in range(4):  # until every payload is what the other rank really sends
-        before = {k: [None if p is None else p.clone() for p in v] for k, v in book.items()}
-        for r, plan in enumerate(plans):
-            ctx = PCPContext(plan, ReplayGroup(world_size, r, book), dev)
-            idx = ctx.t.local_idx
-            out = torch.zeros(plan.t_pad, hv, dv, device=dev, dtype=torch.bfloat16)
-            conv, ssm = inp["conv_state"].clone(), inp["ssm_state"].clone()
-            gdn_state_passing(ctx, kernels, *(inp[k][idx] for k in ("mixed_qkv", "b", "a")), out, w,
-                              conv, ssm, inp["state_idx"])
-            outs[r], ssms[r] = (idx[:plan.num_local_tokens], out[:plan.num_local_tokens]), ssm
-        same = before.keys() == book.keys() and all(
-            a is not None and torch.equal(a, b) for k in book for a, b in zip(before[k], book[k]))
-        if same:
-            break
-    else:
-        raise RuntimeError("replayed all_gather payloads did not settle")
-    pcp = torch.zeros_like(one_gpu)
-    for i, o in outs.values():
-        pcp[i] = o
+    pcp, pcp_ssm = {}, {}
+    for mode, core in (("state_passing", gdn_state_passing), ("relay", gdn_relay)):
+        pcp[mode], pcp_ssm[mode] = replay_ranks(plans, core, kernels, inp, w, one_gpu, dev)
     # rows of blocks that start after block 0 of a split request: their output gets X_in c_t
     corr = []
     for plan in plans:
@@ -113,12 +103,46 @@ def run_case(num_computed, num_new, dev, world_size=2, kernels=None):
     corr = torch.cat(corr) if corr else torch.zeros(0, dtype=torch.long, device=dev)
     lines = inp["state_idx"]
     res = {}
-    for name, out, ssm in (("one_gpu", one_gpu, one_gpu_ssm), ("pcp2_state_passing", pcp, ssms[world_size - 1])):
+    for name, out, ssm in (("one_gpu", one_gpu, one_gpu_ssm),
+                           *((f"pcp2_{m}", pcp[m], pcp_ssm[m]) for m in pcp)):
         res[name] = {"output": errors(out, truth), "corrected_rows": errors(out[corr], truth[corr]),
                      "final_state": errors(ssm[lines], truth_ssm[lines])}
-    res["pcp2_vs_one_gpu"] = {"output": errors(pcp, one_gpu), "corrected_rows": errors(pcp[corr], one_gpu[corr])}
+    for m in pcp:
+        res[f"pcp2_{m}_vs_one_gpu"] = {"output": errors(pcp[m], one_gpu),
+                                       "corrected_rows": errors(pcp[m][corr], one_gpu[corr]),
+                                       "final_state": errors(pcp_ssm[m][lines], one_gpu_ssm[lines])}
     res["num_corrected_rows"] = int(corr.numel())
     return res
+
+
+def replay_ranks(plans, core, kernels, inp, w, like, dev):
+    """Every rank of ``core`` in this process, replayed until no all_gather payload changes; returns
+    the outputs in the full layout and the last rank's ssm cache."""
+    from qwen36_pcp.layers.context import PCPContext
+
+    world_size = len(plans)
+    hv, dv = like.shape[1], like.shape[2]
+    book, outs, ssms = {}, {}, {}
+    for _ in range(2 * plans[0].num_blocks):  # a relay hands a state on once per run of blocks
+        before = {k: [None if p is None else p.clone() for p in v] for k, v in book.items()}
+        for r, plan in enumerate(plans):
+            ctx = PCPContext(plan, ReplayGroup(world_size, r, book), dev)
+            idx = ctx.t.local_idx
+            out = torch.zeros(plan.t_pad, hv, dv, device=dev, dtype=torch.bfloat16)
+            conv, ssm = inp["conv_state"].clone(), inp["ssm_state"].clone()
+            core(ctx, kernels, *(inp[k][idx] for k in ("mixed_qkv", "b", "a")), out, w, conv, ssm,
+                 inp["state_idx"])
+            outs[r], ssms[r] = (idx[:plan.num_local_tokens], out[:plan.num_local_tokens]), ssm
+        same = before.keys() == book.keys() and all(
+            a is not None and torch.equal(a, b) for k in book for a, b in zip(before[k], book[k]))
+        if same:
+            break
+    else:
+        raise RuntimeError("replayed all_gather payloads did not settle")
+    full = torch.zeros_like(like)
+    for i, o in outs.values():
+        full[i] = o
+    return full, ssms[world_size - 1]
 
 
 def main(argv=None):
@@ -130,14 +154,15 @@ def main(argv=None):
     race_free_gdn_kkt()
     torch.manual_seed(0)
     results = {}
-    print(f"{'case':26} {'what':20} {'rows':14} {'rel RMS':>10} {'max abs':>10}")
+    print(f"{'case':26} {'what':30} {'rows':14} {'rel RMS':>10} {'max abs':>10}")
     for case, (computed, new) in CASES.items():
         res = results[case] = run_case(computed, new, torch.device("cuda"))
-        for what in ("one_gpu", "pcp2_state_passing", "pcp2_vs_one_gpu"):
+        for what in ("one_gpu", "pcp2_state_passing", "pcp2_state_passing_vs_one_gpu", "pcp2_relay",
+                     "pcp2_relay_vs_one_gpu"):
             for rows in ("output", "corrected_rows", "final_state"):
                 if rows in res[what]:
                     e = res[what][rows]
-                    print(f"{case:26} {what:20} {rows:14} {e['rel_rms']:10.3e} {e['max_abs']:10.3e}")
+                    print(f"{case:26} {what:30} {rows:14} {e['rel_rms']:10.3e} {e['max_abs']:10.3e}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "probe_gdn_precision.json"), "w") as f:
         json.dump(results, f, indent=1)
