@@ -89,14 +89,13 @@ class PCPContext:
 
         return self._cached("gdn", build)
 
-
     def relay_index(self):
         """Per-step GDN relay indices: the replicated requests' rows (first in the local layout) and
         this rank's runs (row range, sequence bounds relative to it on host and device)."""
 
         def build():
             plan = self.plan
-            segs = plan.local_segments
+            segs, offs = plan.local_segments, plan.seg_offsets[plan.rank]
             n_rep = sum(s.block < 0 for s in segs)
             rep_reqs = np.array([s.req for s in segs[:n_rep]], dtype=np.int64)
 
@@ -106,7 +105,7 @@ class PCPContext:
 
             runs = [(int(cu[0]), int(cu[-1]), *bounds(cu)) for cu in plan.run_rows()]
             return {
-                "replicated": (int(plan.seg_offsets[plan.rank][n_rep]), *bounds(plan.seg_offsets[plan.rank][: n_rep + 1])),
+                "replicated": (int(offs[n_rep]), *bounds(offs[: n_rep + 1])),
                 "replicated_reqs": self.to_device(rep_reqs),
                 "replicated_from_cache": self.to_device(plan.num_computed[rep_reqs] > 0, torch.bool),
                 "split_reqs": self.to_device(plan.split_reqs.astype(np.int64)),

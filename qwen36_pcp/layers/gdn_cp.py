@@ -1,6 +1,13 @@
 """Gated DeltaNet context parallel: each rank scans only its own segments.
 
-State layout is vLLM's (V-first): a value head's state X is [V, K],
+``relay`` (default, exact): blocks lie on whole 64-token chunks, and each run of adjacent blocks is
+scanned from the true end state of the run before it (handed on by one all-gather per run), so every
+output and state is bit for bit the one-GPU scan's. Only the state recurrence is serial along the
+chain; the chunk-local steps (cumsum, K K^T, its solve, the WY factors) run for all local tokens at
+once, and the outputs after the state is sent.
+
+``state_passing`` (one all-gather per layer, nothing serial, a bf16 correction: not bitwise). State
+layout is vLLM's (V-first): a value head's state X is [V, K],
 X_t = a_t X_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T,  o_t = X_t (scale q_t).
 A segment is affine in its initial state: X_end = X_0 P + L and o_t = o_t^loc + X_0 c_t with
 P = prod_t a_t (I - b_t k_t k_t^T) and c_t = P_{<=t} scale q_t. One chunk-kernel call per rank gets all
@@ -109,7 +116,6 @@ class TorchGDNKernels:
                 o[t] = (X @ (scale * qf[t])[:, :, None])[..., 0]
             final[s] = X
         return o.to(v.dtype), final
-
 
     # relay: chunk-local steps once, then the state recurrence and the outputs run by run
     @staticmethod
@@ -233,7 +239,6 @@ class VllmGDNKernels:
         init = torch.zeros(1, num_v_heads, v.shape[-1], K, device=device, dtype=torch.float32)
         cu_cpu = torch.tensor([0, T], dtype=torch.int32)
         cls.chunk(q, k, v, g, beta, init, cu_cpu.to(device), cu_cpu)
-
 
     # relay: the steps of vLLM's chunk_gated_delta_rule_fwd, split where the recurrence starts
     @staticmethod

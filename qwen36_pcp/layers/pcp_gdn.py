@@ -19,6 +19,7 @@ CORES = {"relay": gdn_relay, "state_passing": gdn_state_passing}
 
 class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
     pcp_gdn_mode = "relay"  # set per layer from the PCP config when the model installs the class
+
     def gdn_weights(self) -> GDNWeights:
         w = self.conv1d.weight
         return GDNWeights(

@@ -28,7 +28,7 @@ import torch
 
 from . import e2e
 
-SAVED = ("pcp2", "tp2", "pcp2_island")
+SAVED = ("pcp2", "tp2")
 
 
 def install_sharded_moe(shards: int) -> None:
