@@ -34,8 +34,11 @@ for cmd in "$@"; do
   echo "== [$i] ($left s left) $cmd"
   timeout "$left" bash -c "$cmd" > "$OUT/step$i.log" 2>&1
   echo "== [$i] exit $?"
-  # engines and servers run in their own sessions: stop what a timed-out step left behind
-  pkill -9 -f 'tests.gpu.e2e|vllm.entrypoints.cli.main|spawn_main' 2>/dev/null
+  # engines and servers run in their own sessions: stop what a timed-out step left behind (not this
+  # script, whose command line may name them)
+  for pid in $(pgrep -f 'tests[.]gpu[.]e2e engine|vllm[.]entrypoints[.]cli[.]main|spawn_main'); do
+    [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null
+  done
   grep -v "^INFO\|^(EngineCore\|^(Worker\|Warning\|warn" "$OUT/step$i.log" | tail -n 40
 done
 tar czf "$final/results.tgz" -C "$OUT" . && echo "packed $(ls "$OUT" | wc -l) files"
