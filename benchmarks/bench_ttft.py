@@ -1,5 +1,6 @@
-"""Time to first token vs prompt length, and decode ITL: pcp=1, tp=2, pcp=2 (state passing), pcp=2
-(island), pcp=2 with vLLM's expert sharding (``moe_experts="sharded"``; the others keep experts whole).
+"""Time to first token vs prompt length, and decode ITL: pcp=1, tp=2, pcp=2 (defaults: GDN relay,
+whole experts), pcp=2 with GDN state passing, with vLLM's expert sharding (``moe_experts="sharded"``),
+and with GDN island.
 
 Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no download), eager
 (``--compiled``: vLLM's default torch.compile + CUDA graphs), the whole prompt in one prefill step.
@@ -28,6 +29,7 @@ from qwen36_pcp.tools.plot import save_figure
 CONFIGS = {
     "pcp1": dict(tensor_parallel_size=1, prefill_context_parallel_size=1),
     "tp2": dict(tensor_parallel_size=2, prefill_context_parallel_size=1),
+    "pcp2": dict(prefill_context_parallel_size=2),  # the defaults: GDN relay, whole experts
     "pcp2_state_passing": dict(prefill_context_parallel_size=2,
                                additional_config={"qwen36_pcp": {"gdn_mode": "state_passing"}}),
     "pcp2_island": dict(prefill_context_parallel_size=2,
