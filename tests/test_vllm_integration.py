@@ -253,6 +253,22 @@ def _experts_on_rank(ckpt, rank, port, options):
             "ckpt_down_shape": list(down.shape), "ckpt_down_abs_sum": down.double().abs().sum().item()}
 
 
+def test_whole_experts_of_qwen36_35b_a3b_take_60_gib():
+    """The number the README and the startup check use: 40 MoE layers x 256 experts x 3 x 2048 x 512,
+    bf16, from the real config."""
+    import torch
+
+    from qwen36_pcp.runner_hooks import whole_experts_bytes
+    from qwen36_pcp.tools.make_checkpoint import PRESETS
+
+    text = SimpleNamespace(**PRESETS["qwen3.6-35b-a3b"]["text"])
+    cfg = SimpleNamespace(model_config=SimpleNamespace(quantization=None, hf_text_config=text,
+                                                       dtype=torch.bfloat16))
+    assert whole_experts_bytes(cfg) == 60 * 2**30
+    cfg.model_config.quantization = "fp8"
+    assert whole_experts_bytes(cfg) is None  # size unknown: no startup memory check
+
+
 @pytest.mark.parametrize("moe_experts", ["replicated", "sharded"])
 def test_experts_whole_or_sharded_over_two_pcp_ranks(tiny_ckpt, moe_experts):
     """Two real PCP ranks (gloo): by default every rank holds and loads every expert whole; with
