@@ -112,12 +112,31 @@ def validate_pcp_config(vllm_config) -> None:
         )
     if getattr(vllm_config.model_config, "enable_return_routed_experts", False):
         problems.append("enable_return_routed_experts together with PCP")
+    if gdn_prefill_backend(vllm_config) == "flashinfer":
+        problems.append(
+            "gdn_prefill_backend='flashinfer' (PCP's split steps run vLLM's Triton/FLA GDN kernels: "
+            "pass 'triton' or leave it unset)"
+        )
     problems += whole_experts_problems(vllm_config)
     if problems:
         raise ValueError(
             f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
             f"{ARCHITECTURE} does not support: " + "; ".join(problems) + "."
         )
+
+
+def gdn_prefill_backend(vllm_config) -> str:
+    return str((vllm_config.additional_config or {}).get("gdn_prefill_backend", "auto")).strip().lower()
+
+
+def triton_gdn_prefill_under_pcp(vllm_config) -> None:
+    """At pcp > 1 an unset GDN prefill backend means Triton/FLA, not vLLM's 'auto' (FlashInfer on
+    SM90): the split steps run the Triton kernels (the relay needs their stages), and every prefill
+    step of the engine then runs the same kernels as pcp == 1 with ``gdn_prefill_backend='triton'``."""
+    if uses_pcp(vllm_config) and gdn_prefill_backend(vllm_config) == "auto":
+        vllm_config.additional_config["gdn_prefill_backend"] = "triton"
+        logging.getLogger("vllm.qwen36_pcp").info(
+            "qwen36_pcp: GDN prefill backend set to 'triton' for prefill context parallel")
 
 
 def install_startup_checks() -> None:
@@ -133,6 +152,7 @@ def install_startup_checks() -> None:
         def verify_and_update_config(cls, vllm_config) -> None:
             base.verify_and_update_config(vllm_config)  # Qwen3.5's mamba_ssm_dtype handling
             validate_pcp_config(vllm_config)
+            triton_gdn_prefill_under_pcp(vllm_config)
 
     model_configs.MODELS_CONFIG_MAP[ARCHITECTURE] = Qwen36PCPConfig
 

@@ -52,6 +52,9 @@ def _configs(ckpt):
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     out["model_cls"] = get_model_architecture(cfg.model_config)[0].__name__
+    out["gdn_backend"] = cfg.additional_config.get("gdn_prefill_backend")
+    out["gdn_backend_pcp1"] = engine_config(ckpt, hf_overrides=OVERRIDES).additional_config.get(
+        "gdn_prefill_backend")
     bad = {
         "dcp": dict(decode_context_parallel_size=2, tensor_parallel_size=2),
         "attention_backend": dict(attention_backend="TRITON_ATTN"),
@@ -60,6 +63,7 @@ def _configs(ckpt):
         "bad_layout": dict(additional_config={"qwen36_pcp": {"layout": "ring"}}),
         "bad_moe_experts": dict(additional_config={"qwen36_pcp": {"moe_experts": "mirrored"}}),
         "ep_whole_experts": dict(enable_expert_parallel=True),
+        "flashinfer_gdn": dict(gdn_prefill_backend="flashinfer"),
         "spec_decode": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
         "non_hybrid": dict(hf_overrides={**OVERRIDES, "text_config": {
@@ -103,6 +107,8 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "non-hybrid" in out["errors"]["non_hybrid"]
     assert "layuot" in out["errors"]["unknown_option"]
     assert "mirrored" in out["errors"]["bad_moe_experts"]
+    assert "'flashinfer'" in out["errors"]["flashinfer_gdn"]
+    assert out["gdn_backend"] == "triton" and out["gdn_backend_pcp1"] is None  # pcp=1: vLLM's auto
     assert "enable_expert_parallel" in out["errors"]["ep_whole_experts"]
     assert "keeps every expert on every GPU" in out["errors"]["small_gpu"], out["errors"]["small_gpu"]
     assert "'moe_experts': 'sharded'" in out["errors"]["small_gpu"]
