@@ -266,20 +266,15 @@ class PCPPlan:
 
     def run_rows(self, r: int | None = None) -> list[np.ndarray]:
         """Rank r's runs in chain order: the local row bounds [Rs + 1] of each run's sequences, one per
-        split request (its blocks of the run back to back), contiguous from the run's first row."""
+        split request (its blocks of the run back to back; ``_segments_of`` lays them out so)."""
         r = self.rank if r is None else r
-        offs, segs, out = self.seg_offsets[r], self.segments[r], []
         if not self.splits_any:
-            return out
+            return []
+        out = []
         for owner, first, last in self.summary_runs:
-            if owner != r:
-                continue
-            starts = [self.slot_of[r][(int(i), first)] for i in self.split_reqs]
-            ends = [self.slot_of[r][(int(i), last)] + 1 for i in self.split_reqs]
-            assert all(e == s for s, e in zip(starts[1:], ends)), "a run's rows are not contiguous"
-            assert all(segs[j].block == b for s in starts for j, b in zip(range(s, s + last - first + 1),
-                                                                            range(first, last + 1)))
-            out.append(offs[np.asarray(starts + ends[-1:], dtype=np.int64)])
+            if owner == r:
+                starts = [self.slot_of[r][(int(i), first)] for i in self.split_reqs]
+                out.append(self.seg_offsets[r][np.asarray(starts + [starts[-1] + last - first + 1])])
         return out
 
     def split_block_slots(self, r: int | None = None) -> dict[int, list[int]]:
