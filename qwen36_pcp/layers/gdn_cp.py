@@ -193,20 +193,8 @@ class VllmGDNKernels:
     @staticmethod
     def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None, cache=None):
         from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
-        from vllm.model_executor.layers.fla.ops.index import (
-            prepare_chunk_indices,
-            prepare_chunk_offsets,
-        )
-        from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
 
-        cache = {} if cache is None else cache
-        key = ("chunk_meta", id(cu_cpu))
-        if key not in cache:
-            cache[key] = (
-                prepare_chunk_indices(cu_cpu, FLA_CHUNK_SIZE).to(q.device, non_blocking=True),
-                prepare_chunk_offsets(cu_cpu, FLA_CHUNK_SIZE).to(q.device, non_blocking=True),
-            )
-        chunk_indices, chunk_offsets = cache[key]
+        chunk_indices, chunk_offsets = VllmGDNKernels._chunk_meta(cu_cpu, q.device, cache)
         o, final = chunk_gated_delta_rule(
             q=q[None],
             k=k[None],
@@ -240,9 +228,9 @@ class VllmGDNKernels:
         cu_cpu = torch.tensor([0, T], dtype=torch.int32)
         cls.chunk(q, k, v, g, beta, init, cu_cpu.to(device), cu_cpu)
 
-    # relay: the steps of vLLM's chunk_gated_delta_rule_fwd, split where the recurrence starts
     @staticmethod
     def _chunk_meta(cu_cpu, device, cache):
+        """fla's chunk indices and offsets of sequences ``cu_cpu``, once per step (``cache``)."""
         from vllm.model_executor.layers.fla.ops.index import (
             prepare_chunk_indices,
             prepare_chunk_offsets,
@@ -258,6 +246,7 @@ class VllmGDNKernels:
             )
         return cache[key]
 
+    # relay: the steps of vLLM's chunk_gated_delta_rule_fwd, split where the recurrence starts
     @staticmethod
     def chunk_local(q, k, v, g, beta, cu, cu_cpu, cache=None):
         """cumsum of g, beta K K^T, its triangular solve and the WY factors w, u: chunk by chunk, so one

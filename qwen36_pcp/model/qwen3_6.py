@@ -37,7 +37,11 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        from ..runner_hooks import whole_experts_bytes, whole_experts_on_every_pcp_rank
+        from ..runner_hooks import (
+            pcp_config_of,
+            whole_experts_bytes,
+            whole_experts_on_every_pcp_rank,
+        )
 
         with whole_experts_on_every_pcp_rank(vllm_config):
             Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
@@ -48,9 +52,7 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
             self.expert_weights = []
             self.moe_layers = []
         if vllm_config.parallel_config.prefill_context_parallel_size > 1:
-            from ..plan import PCPConfig
-
-            install_pcp_layers(self, PCPConfig.from_additional_config(vllm_config.additional_config))
+            install_pcp_layers(self, pcp_config_of(vllm_config))
             experts = [m for m in self.modules() if hasattr(m, "moe_parallel_config")]
             if experts:
                 par = experts[0].moe_parallel_config
