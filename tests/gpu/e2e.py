@@ -1,10 +1,12 @@
 """End-to-end GPU checks: engines run in child processes (clean GPU state, bounded by timeouts).
 
     python -m tests.gpu.e2e engine SPEC.json OUT.json     # one engine: run prompts, dump outputs
-    python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e   # the module's jobs that fit this machine
+    python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e [SUFFIX ...]  # the module's jobs that fit
+                                                                     # this machine (names ending so)
 
 ``jobs`` saves each result as $OUT/<job>.json, for QWEN36_PCP_REUSE: on a 1-GPU machine it makes the
-pcp=1 baselines, so the 2-GPU machine only runs the pcp=2 and tp=2 engines.
+pcp=1 baselines, so the 2-GPU machine only runs the pcp=2 and tp=2 engines; with suffixes (e.g.
+``_pcp2``) a short session runs those first.
 
 ``SPEC.json``: {"llm": {...LLM kwargs...}, "prompts": [[token ids], ...], "max_tokens": 32,
 "logprobs": 5, "actions": [...optional...], "engine_core_in_process": false}.
@@ -392,12 +394,13 @@ def main(argv):
         result = run_engine(spec)
         Path(argv[2]).write_text(json.dumps(result))
         return 0
-    if argv[0] == "jobs":  # python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e
+    if argv[0] == "jobs":  # python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e [SUFFIX ...]
         import importlib
 
         import torch
 
         jobs = module_jobs(importlib.import_module(argv[1]), torch.cuda.device_count())
+        jobs = {k: v for k, v in jobs.items() if k.endswith(tuple(argv[2:]) or "")}
         failed = {k: r for k, r in engines(jobs).items() if isinstance(r, BaseException)}
         for name, err in failed.items():
             print(f"[jobs] {name} failed: {str(err)[-2000:]}", flush=True)
