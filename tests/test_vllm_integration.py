@@ -220,6 +220,8 @@ def _model(ckpt, pcp):
         "skipped": len(skipped), "gdn": sorted({type(m).__name__ for m in model.modules()
                                                 if "DeltaNet" in type(m).__name__}),
         "impls": sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl")}),
+        "full_rows": sorted(n.split(".")[-1] for n, m in model.named_modules()
+                            if type(m).__name__ == "FullRowsReplicatedLinear"),
         "mrope": model.get_mrope_input_positions(list(range(5)), [])[0].tolist(),
     }
 
@@ -231,8 +233,10 @@ def test_model_builds_and_every_tensor_is_mapped_or_skipped(tiny_ckpt, pcp):
     assert out["skipped"] > 0  # the vision tower and MTP head are in the checkpoint and skipped
     if pcp == 1:  # vLLM's own layers, untouched
         assert out["gdn"] == ["GatedDeltaNetAttention"] and out["impls"] == ["FlashAttentionImpl"]
+        assert out["full_rows"] == []
     else:
         assert out["gdn"] == ["PCPGatedDeltaNetAttention"] and out["impls"] == ["PCPFlashAttentionImpl"]
+        assert out["full_rows"] == ["shared_expert_gate"] * 8  # one per MoE layer
     assert out["mrope"] == [list(range(5))] * 3
 
 

@@ -108,14 +108,18 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
 
 
 def install_pcp_layers(model: torch.nn.Module, config) -> None:
-    """Switch GDN layers and attention impls to their PCP versions (same weights, same caches)."""
+    """Switch GDN layers and attention impls to their PCP versions and narrow linear layers to pcp=1's
+    row count (same weights, same caches)."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
+    from ..layers.full_rows_linear import full_row_count, is_narrow
     from ..layers.pcp_attention import PCPFlashAttentionImpl
     from ..layers.pcp_gdn import PCPGatedDeltaNetAttention
 
     for name, module in model.named_modules():
-        if isinstance(module, GatedDeltaNetAttention):
+        if is_narrow(module):  # the shared-expert gate
+            full_row_count(module)
+        elif isinstance(module, GatedDeltaNetAttention):
             module.__class__ = PCPGatedDeltaNetAttention
             module.pcp_gdn_mode = config.gdn_mode
         elif isinstance(module, Attention):

@@ -148,30 +148,34 @@ def rows_check() -> dict:
     report = {}
     with set_current_vllm_config(VllmConfig()):
         for shape, s in shapes.items():
-            for T in (2048, 20000):
+            for T in (2048, 16384, 20000):
                 b = [T * i // 4 for i in range(5)]
                 rank_rows = {0: torch.cat([torch.arange(b[0], b[1]), torch.arange(b[3], b[4])]),
                              1: torch.arange(b[1], b[3])}
                 x = torch.randn(T, s["H"], device=dev, dtype=torch.bfloat16)
-                w = torch.randn(3 * s["H"], s["H"], device=dev, dtype=torch.bfloat16) / s["H"] ** 0.5
+                ws = {n: torch.randn(n, s["H"], device=dev, dtype=torch.bfloat16) / s["H"] ** 0.5
+                      for n in (1, 2, 8, 16, 64, 3 * s["H"])}  # output widths: gates ... projections
                 w1 = torch.randn(s["E"], 2 * s["inter"], s["H"], device=dev, dtype=torch.bfloat16) / s["H"] ** 0.5
-                w2 = torch.randn(s["E"], s["H"], s["inter"], device=dev, dtype=torch.bfloat16) / s["inter"] ** 0.5
+                w2 = torch.randn(s["E"], s["H"], s["inter"], device=dev, dtype=torch.bfloat16) / s["H"] ** 0.5
                 logits = torch.randn(T, s["E"], device=dev, dtype=torch.float32)
                 tw, ti, _ = fused_topk(x, logits, s["topk"], renormalize=True)
-                full_lin = torch.nn.functional.linear(x, w)
+                full_lin = {n: torch.nn.functional.linear(x, w) for n, w in ws.items()}
                 full_moe = fused_experts(x, w1, w2, tw, ti)
                 t_pad = max(len(r) for r in rank_rows.values())
                 for rank, idx in rank_rows.items():
                     idx = idx.to(dev)
                     pad = torch.cat([idx, idx[-1:].expand(t_pad - len(idx))])  # padding rows
-                    lin = torch.nn.functional.linear(x[pad], w)[: len(idx)]
+                    # the same rows padded to the full batch's row count (full_rows_linear)
+                    pad_full = torch.cat([idx, idx[-1:].expand(T - len(idx))])
                     moe = fused_experts(x[pad], w1, w2, tw[pad], ti[pad])[: len(idx)]
                     key = f"{shape}_T{T}_rank{rank}"
-                    report[key] = {
-                        "linear_max_abs": (lin.float() - full_lin[idx].float()).abs().max().item(),
-                        "moe_max_abs": (moe.float() - full_moe[idx].float()).abs().max().item(),
-                        "moe_scale": full_moe.float().abs().max().item(),
-                    }
+                    report[key] = {"moe_max_abs": (moe.float() - full_moe[idx].float()).abs().max().item(),
+                                   "moe_scale": full_moe.float().abs().max().item()}
+                    for n, w in ws.items():
+                        ref = full_lin[n][idx].float()
+                        for name, rows in (("local", pad), ("full_rows", pad_full)):
+                            got = torch.nn.functional.linear(x[rows], w)[: len(idx)].float()
+                            report[key][f"linear_N{n}_{name}_max_abs"] = (got - ref).abs().max().item()
                     print(key, report[key], flush=True)
     e2e.save("probe_rows", report)
     return report

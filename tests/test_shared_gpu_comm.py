@@ -1,0 +1,32 @@
+"""The host-staged communicator that lets the GPU checks run pcp=2 on one GPU moves exact bytes."""
+
+import torch
+
+from qwen36_pcp.tools.dist import run_distributed
+
+
+def _collectives(rank, group):
+    from tests.gpu.shared_gpu import HostStagedCommunicator
+
+    comm = HostStagedCommunicator(group.cpu_group, device=torch.device("cpu"))
+    torch.manual_seed(rank)
+    x = torch.randn(3, 5, dtype=torch.bfloat16)
+    out = {"x": x, "gather0": comm.all_gather(x, 0), "gather1": comm.all_gather(x, -1),
+           "bcast": comm.broadcast(x.clone(), src=1), "sum": comm.all_reduce(x.float().clone()),
+           "scatter": comm.reduce_scatter(torch.ones(4, 2) * (rank + 1), dim=0)}
+    if rank == 0:
+        comm.send(x, dst=1)
+    else:
+        out["recv"] = comm.recv(x.shape, x.dtype, src=0)
+    return out
+
+
+def test_host_staged_collectives_match_their_definitions():
+    r0, r1 = run_distributed(_collectives, 2)
+    for r in (r0, r1):
+        assert torch.equal(r["gather0"], torch.cat([r0["x"], r1["x"]], 0))
+        assert torch.equal(r["gather1"], torch.cat([r0["x"], r1["x"]], 1))
+        assert torch.equal(r["bcast"], r1["x"])
+        assert torch.allclose(r["sum"], r0["x"].float() + r1["x"].float())
+        assert torch.equal(r["scatter"], torch.full((2, 2), 3.0))
+    assert torch.equal(r1["recv"], r0["x"])
