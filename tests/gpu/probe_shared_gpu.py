@@ -76,7 +76,8 @@ def dump(case: str, rows: str) -> dict:
 
     from . import layer_dump
 
-    out = str(e2e.out_dir() / f"dump_{case}")
+    # the activations stay on the machine (hundreds of MB; run_on_device.sh packs $OUT)
+    out = f"/tmp/qwen36_pcp_dump/{case}"
     os.environ[layer_dump.ENV] = f"{out};{rows}"
     spec = CASES[case][0]()[f"{case}_pcp1"][0]
     spec.pop("actions", None)
