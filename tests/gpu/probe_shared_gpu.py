@@ -26,7 +26,7 @@ WORKER = "tests.gpu.shared_gpu.SharedGPUWorker"
 KV_BYTES = 16 << 30  # per rank; no memory profiling with two processes on one GPU
 CASES = {  # case -> (jobs builder, {reported case: run indices})
     "case1_unequal_batch": (t.case1_jobs, {"case1_unequal_batch": None}),
-    "case2_3": (t.case2_3_jobs, {"case2_chunked_prefill": [0], "case3_prefix_cache": [1, 2]}),
+    "case2_3": (t.case2_3_jobs, t.CASE2_3_RUNS),
     "case3_repeat": (t.case3_repeat_jobs, {"case3_repeat": None}),
 }
 

@@ -99,6 +99,10 @@ def test_unequal_batch_max_tokens_one_abort_and_shutdown(engine_pool):
 NOISE_FLOOR = {"pcp1_chunk4096": PARALLEL["pcp1"]}
 
 
+# which batches of the case2_3 engines are case 2 and which case 3
+CASE2_3_RUNS = {"case2_chunked_prefill": [0], "case3_prefix_cache": [1, 2]}
+
+
 def case2_3_jobs():
     ckpt = e2e.checkpoint("tiny")
     vocab = e2e.vocab_size(ckpt)
@@ -118,17 +122,19 @@ def test_chunked_prefill_and_prefix_caching(engine_pool):
     One engine per parallel setting runs both (prefix caching on, 2048-token chunks). Reported, not
     judged: the noise floor."""
     res = _results(engine_pool, "case2_3", {**PARALLEL, **NOISE_FLOOR})
-    for case, runs in (("case2_chunked_prefill", [0]), ("case3_prefix_cache", [1, 2])):
+    for case, runs in CASE2_3_RUNS.items():
         diff = e2e.compare(e2e.outputs(res["pcp1"], runs), e2e.outputs(res["pcp1_chunk4096"], runs))
         REPORT[f"{case}_pcp1_chunk4096_vs_pcp1"] = diff
         print(f"[{case}] noise floor, pcp1 with 4096-token chunks vs pcp1: "
               f"max|dlogprob|={diff['max_logprob_diff']:.4g} diverged={diff['diverged_at']}")
     res = {k: res[k] for k in PARALLEL}
-    _judge("case2_chunked_prefill", {k: e2e.outputs(v, [0]) for k, v in res.items()})
+    _judge("case2_chunked_prefill", {k: e2e.outputs(v, CASE2_3_RUNS["case2_chunked_prefill"])
+                                     for k, v in res.items()})
     cached = {k: v["runs"][2]["outputs"][0]["num_cached_tokens"] for k, v in res.items()}
     REPORT["case3_cached_tokens_second_request"] = cached
     assert cached["pcp2"] >= 10000, cached  # the second request really hit the cache
-    _judge("case3_prefix_cache", {k: e2e.outputs(v, [1, 2]) for k, v in res.items()})
+    _judge("case3_prefix_cache", {k: e2e.outputs(v, CASE2_3_RUNS["case3_prefix_cache"])
+                                  for k, v in res.items()})
 
 
 def case3_repeat_jobs():
