@@ -14,8 +14,8 @@ Token layouts used throughout:
 A request with at least ``min_split_tokens`` new tokens is *split*: its new tokens are cut into blocks
 (zigzag: 2N blocks, rank r owns blocks r and 2N-1-r, which balances causal attention work; contiguous:
 N blocks, rank r owns block r). Every other request (decode rows, short prompts) is *replicated*: each
-rank computes it in full, and rank 0's copy is the primary one (its K/V and hidden state are the ones
-kept).
+rank computes it in full, and rank 0's copy is the primary one: its K/V, conv and SSM states and its
+hidden state are the ones kept on every rank, so the ranks' caches never drift apart.
 """
 
 from __future__ import annotations
@@ -27,61 +27,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-LAYOUTS = ("zigzag", "contiguous")
-GDN_MODES = ("relay", "state_passing", "island")
-MOE_EXPERTS = ("replicated", "sharded")
-
-
-@dataclass(frozen=True)
-class PCPConfig:
-    """User-facing PCP options, from ``additional_config={"qwen36_pcp": {...}}``."""
-
-    layout: str = "zigzag"
-    gdn_mode: str = "relay"
-    min_split_tokens: int = 512
-    moe_experts: str = "replicated"
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"qwen36_pcp: layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.gdn_mode not in GDN_MODES:
-            raise ValueError(
-                f"qwen36_pcp: gdn_mode must be one of {GDN_MODES}, got {self.gdn_mode!r}"
-            )
-        if self.moe_experts not in MOE_EXPERTS:
-            raise ValueError(
-                f"qwen36_pcp: moe_experts must be one of {MOE_EXPERTS}, got {self.moe_experts!r}"
-            )
-        if int(self.min_split_tokens) < 1:
-            raise ValueError(
-                f"qwen36_pcp: min_split_tokens must be >= 1, got {self.min_split_tokens!r}"
-            )
-
-    @classmethod
-    def from_additional_config(cls, additional_config: dict | None) -> PCPConfig:
-        options = dict((additional_config or {}).get("qwen36_pcp", {}) or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"qwen36_pcp: unknown option(s) {unknown} in additional_config['qwen36_pcp']; "
-                f"known: {sorted(known)}"
-            )
-        return cls(**options)
-
-    def num_blocks(self, world_size: int) -> int:
-        return 2 * world_size if self.layout == "zigzag" else world_size
-
-    def split_threshold(self, world_size: int) -> int:
-        """Fewest new tokens a request needs to be split (every block gets >= 1 token)."""
-        return max(int(self.min_split_tokens), self.num_blocks(world_size))
-
-    def step_splits(self, num_new_tokens, world_size: int) -> bool:
-        """Whether a step with these per-request new-token counts splits any request."""
-        if world_size <= 1:
-            return False
-        threshold = self.split_threshold(world_size)
-        return any(int(n) >= threshold for n in num_new_tokens)
+from .config import GDN_CHUNK, PCPConfig
 
 
 @dataclass(frozen=True)
@@ -98,19 +44,15 @@ class Segment:
         return self.end - self.start
 
 
-# fla's chunk size: the chunked GDN kernels cut every sequence into 64-token chunks from its start.
-GDN_CHUNK = 64
-
-
 def block_bounds(num_tokens: int, num_blocks: int) -> np.ndarray:
     """Near-equal block boundaries on whole GDN chunks (the last block takes the remainder), so a
-    block's scan cuts the same chunks as one GPU's scan of the whole step; near-equal to the token
-    below ``GDN_CHUNK`` tokens per block."""
-    steps = np.arange(num_blocks + 1, dtype=np.int64)
+    block's scan cuts the same chunks as one GPU's scan of the whole step. Needs at least one chunk
+    per block (``PCPConfig.split_threshold`` sees to it)."""
     chunks = num_tokens // GDN_CHUNK
     if chunks < num_blocks:
-        return steps * num_tokens // num_blocks
-    bounds = steps * chunks // num_blocks * GDN_CHUNK
+        raise ValueError(f"{num_tokens} tokens are fewer than one {GDN_CHUNK}-token chunk per block "
+                         f"({num_blocks} blocks)")
+    bounds = np.arange(num_blocks + 1, dtype=np.int64) * chunks // num_blocks * GDN_CHUNK
     bounds[-1] = num_tokens
     return bounds
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-# (num_computed, num_new): fresh prefill, continuation, decode rows, a prompt too short to split
+from qwen36_pcp.layers.gdn_cp import GDNWeights
+
+# (num_computed, num_new): fresh prefill, continuation, decode rows, prompts too short to split (a
+# request is split from 64 tokens per block on: 256 tokens at pcp=2, 512 at pcp=4, zigzag)
 BATCHES = [
-    ([0], [37]),
-    ([0, 0, 5, 9, 0], [23, 1, 1, 40, 3]),
-    ([13, 0, 7], [29, 64, 2]),
+    ([0], [300]),
+    ([0, 0, 5, 9, 0], [23, 1, 1, 600, 3]),
+    ([13, 0, 7], [290, 1100, 2]),
 ]
 
 
@@ -31,6 +36,7 @@ def kv_layout(num_computed, num_new, block_size):
 
 
 def gdn_case(seed, num_computed, num_new, hk=2, hv=4, dk=8, dv=8, width=4):
+    """Random fp32 GDN layer inputs and cache for a batch -> (inputs, GDNWeights)."""
     g = torch.Generator().manual_seed(seed)
     D = 2 * hk * dk + hv * dv
     T = int(sum(num_new))
@@ -40,12 +46,15 @@ def gdn_case(seed, num_computed, num_new, hk=2, hv=4, dk=8, dv=8, width=4):
     case = dict(
         mixed_qkv=rnd(T, D), a=rnd(T, hv), b=rnd(T, hv),
         conv_weight=rnd(D, width) * 0.5, conv_bias=rnd(D) * 0.1,
-        A_log=torch.log(torch.empty(hv).uniform_(1, 16, generator=g)), dt_bias=rnd(hv) * 0.1,
+        # decay rates from 0.02 to 8 per token: the slow heads carry a block's state across the
+        # whole request, so a wrong hand-off shows in every later output
+        A_log=torch.linspace(math.log(0.02), math.log(8.0), hv), dt_bias=rnd(hv) * 0.1,
         conv_state=rnd(lines, D, width - 1), ssm_state=rnd(lines, hv, dv, dk) * 0.3,
         state_idx=torch.randperm(lines, generator=g)[:R],
     )
-    case["dims"] = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
-    return case
+    weights = GDNWeights(case.pop("conv_weight"), case.pop("conv_bias"), case.pop("A_log"),
+                         case.pop("dt_bias"), num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
+    return case, weights
 
 
 def cu_of(num_new):

@@ -1,43 +1,40 @@
-"""GDN context parallel on 2 and 4 gloo ranks == the full-sequence scan (fp32)."""
+"""GDN context parallel on 2, 4 and 8 gloo ranks == the unsplit chunked scan (fp32)."""
 
 import numpy as np
 import pytest
 import torch
 
 from qwen36_pcp.layers.context import PCPContext
-from qwen36_pcp.layers.gdn_cp import (
-    GDNWeights,
-    TorchGDNKernels,
-    conv_with_halo,
-    gdn_full_reference,
-    gdn_island,
-    gdn_relay,
-    gdn_state_passing,
-)
+from qwen36_pcp.layers.gdn_cp import conv_with_halo
 from qwen36_pcp.plan import PCPConfig, PCPPlan
 
-from qwen36_pcp.tools.dist import run_distributed
-from .layer_cases import BATCHES, cu_of, gdn_case
+from .dist import run_distributed
+from .gdn_reference import TorchGDNKernels
+from .gdn_sweep import (
+    case_name, compare, full_core, rank_modes, sweep_batches, sweep_configs, unaligned_blocks, worst_of,
+)
+from .layer_cases import cu_of, gdn_case
 
 
-def weights_of(case):
-    return GDNWeights(case["conv_weight"], case["conv_bias"], case["A_log"], case["dt_bias"], **case["dims"])
-
-
-def test_torch_scan_matches_fla_naive_reference():
-    """Our fp32 reference scan (V-first state, GVA) against fla's naive recurrent gated delta rule."""
-    from fla.ops.gated_delta_rule import naive_recurrent_gated_delta_rule
-
-    g = torch.Generator().manual_seed(0)
-    T, H, HV, K, V = 19, 2, 4, 8, 8
+def _random_scan_inputs(seed, T, H=2, HV=4, K=8, V=8, S=1):
+    g = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(T, H, K, generator=g), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(T, H, K, generator=g), dim=-1)
     v = torch.randn(T, HV, V, generator=g)
-    gate = -torch.rand(T, HV, generator=g)
+    gate = -torch.rand(T, HV, generator=g) * torch.tensor([0.02, 0.2, 1.0, 4.0])[:HV]
     beta = torch.rand(T, HV, generator=g)
-    h0 = torch.randn(1, HV, V, K, generator=g)  # V-first
+    h0 = torch.randn(S, HV, V, K, generator=g) * 0.5  # V-first
+    return q, k, v, gate, beta, h0
+
+
+def test_recurrent_reference_matches_fla_naive_reference():
+    """Our token-by-token scan (V-first state, GVA) against fla's naive recurrent gated delta rule."""
+    from fla.ops.gated_delta_rule import naive_recurrent_gated_delta_rule
+
+    T, H, HV, K = 19, 2, 4, 8
+    q, k, v, gate, beta, h0 = _random_scan_inputs(0, T)
     cu = torch.tensor([0, T], dtype=torch.int32)
-    o, final = TorchGDNKernels.chunk(q, k, v, gate, beta, h0, cu, cu)
+    o, final = TorchGDNKernels.recurrent(q, k, v, gate, beta, h0, cu)
     rep = lambda x: x.repeat_interleave(HV // H, 1)[None]  # noqa: E731
     o_ref, s_ref = naive_recurrent_gated_delta_rule(
         rep(q), rep(k), v[None], beta[None], gate[None], scale=K**-0.5,
@@ -47,72 +44,88 @@ def test_torch_scan_matches_fla_naive_reference():
     torch.testing.assert_close(final, s_ref.transpose(-1, -2), rtol=1e-5, atol=1e-5)
 
 
-def full_reference(case, num_computed, num_new):
-    conv_state, ssm_state = case["conv_state"].clone(), case["ssm_state"].clone()
-    out = torch.zeros(case["mixed_qkv"].shape[0], case["a"].shape[1], case["dims"]["head_v_dim"])
-    gdn_full_reference(TorchGDNKernels, case["mixed_qkv"], case["b"], case["a"], out, weights_of(case),
-                       conv_state, ssm_state, case["state_idx"], num_computed, cu_of(num_new))
-    return out, conv_state, ssm_state
+def test_chunked_reference_matches_recurrent_and_sees_a_wrong_chunk_grid():
+    """The chunked form (64-token chunks from each sequence start) equals the token-by-token scan for
+    sequences shorter than, equal to and longer than a chunk; and, like fla's kernels, it is wrong when
+    its state stage walks another chunk grid than its chunk-local stage did."""
+    lens = [1, 63, 64, 65, 200, 130]
+    cu = cu_of(lens)
+    q, k, v, gate, beta, h0 = _random_scan_inputs(1, sum(lens), S=len(lens))
+    o, final = TorchGDNKernels.chunk(q, k, v, gate, beta, h0, cu, cu)
+    o_ref, final_ref = TorchGDNKernels.recurrent(q, k, v, gate, beta, h0, cu)
+    torch.testing.assert_close(o.float(), o_ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=2e-5)
+    # sequences 4 and 5 (200 + 130 tokens) scanned as one by the state stage, as a relay run would
+    # scan two adjacent blocks: right when the first is whole chunks, wrong otherwise
+    for first, ok in ((192, True), (200, False)):
+        lens2 = [1, 63, 64, 65, first, 330 - first]
+        cu_local, cu_run = cu_of(lens2), cu_of([1, 63, 64, 65, 330])
+        prep = TorchGDNKernels.chunk_local(q, k, v, gate, beta, cu_local, cu_local)
+        fin, pend = TorchGDNKernels.chunk_states(prep, 0, sum(lens2), h0[:5], cu_run, cu_run)
+        out = TorchGDNKernels.chunk_outputs(prep, 0, sum(lens2), pend, cu_run, cu_run)
+        ref, ref_fin = TorchGDNKernels.recurrent(q, k, v, gate, beta, h0[:5], cu_run)
+        err = (out.float() - ref).abs().max().item()
+        assert (err < 2e-5) == ok, (first, err)
 
 
-def _worker(rank, group, layouts):
-    worst = {"relay": 0.0, "state_passing": 0.0, "island": 0.0, "bytes": []}
-    for (num_computed, num_new), layout in [(b, lay) for b in BATCHES for lay in layouts]:
-        case = gdn_case(sum(num_new) + 7 * len(num_new), num_computed, num_new)
-        ref_out, ref_conv, ref_ssm = full_reference(case, num_computed, num_new)
-        plan = PCPPlan(num_computed, num_new, group.world_size, rank,
-                       PCPConfig(layout=layout, min_split_tokens=4))
-        rows = torch.from_numpy(plan.local_full_idx[rank]).clamp(min=0)
-        T = plan.num_local_tokens
-        w = weights_of(case)
-        for mode in ("relay", "state_passing", "island"):
-            ctx = PCPContext(plan, group, "cpu")
-            conv_state, ssm_state = case["conv_state"].clone(), case["ssm_state"].clone()
-            out = torch.full((plan.t_pad, case["a"].shape[1], case["dims"]["head_v_dim"]), 7.0)
-            local = [case[n][rows] for n in ("mixed_qkv", "b", "a")]
-            if mode != "island":
-                core = gdn_relay if mode == "relay" else gdn_state_passing
-                core(ctx, TorchGDNKernels, *local, out, w, conv_state, ssm_state, case["state_idx"])
-                if mode == "state_passing":
-                    worst["bytes"].append(ctx.bytes_sent)
-            else:
-                full_core = lambda qkv, b, a, o: gdn_full_reference(  # noqa: E731
-                    TorchGDNKernels, qkv, b, a, o, w, conv_state, ssm_state, case["state_idx"],
-                    num_computed, cu_of(num_new))
-                gdn_island(ctx, full_core, *local, out)
-            torch.testing.assert_close(out[:T], ref_out[rows[:T]], rtol=1e-5, atol=2e-5)
-            assert (out[T:] == 7.0).all(), "padding rows must be left alone"
-            # every rank holds every request's final states (decode can run on any rank)
-            torch.testing.assert_close(conv_state, ref_conv, rtol=0, atol=0)
-            torch.testing.assert_close(ssm_state, ref_ssm, rtol=1e-5, atol=2e-5)
-            worst[mode] = max(worst[mode], (out[:T] - ref_out[rows[:T]]).abs().max().item())
-    return worst
+def _sweep_worker(rank, group, broken=False):
+    """Every config, batch and mode of the sweep on this rank -> (failures, worst errors)."""
+    if broken:
+        unaligned_blocks()
+    reports, failures = [], []
+    for config in sweep_configs():
+        for seed, (num_computed, num_new) in enumerate(sweep_batches(group.world_size, config)):
+            inp, w = gdn_case(seed, num_computed, num_new)
+            shape = (sum(num_new), inp["a"].shape[1], w.head_v_dim)
+            ref = full_core(TorchGDNKernels, inp, w, num_computed, num_new, shape, torch.float32)
+            rows, got = rank_modes(rank, group, TorchGDNKernels, inp, w, num_computed, num_new, config, "cpu")
+            report = compare(rows, got, ref)
+            reports.append(report)
+            for mode, tensors in report.items():
+                for name, e in tensors.items():
+                    # fp32 rounding only; the conv state is a copy
+                    limit = 0.0 if name == "conv" else 2e-5 * max(1.0, e["ref_max"])
+                    if not e["finite"] or e["max_abs"] > limit:
+                        failures.append(f"{case_name(config, group.world_size, num_computed, num_new)} "
+                                        f"{mode} {name}: {e}")
+    return failures, worst_of(reports)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_gdn_relay_state_passing_and_island_match_full_scan(world_size):
-    results = run_distributed(_worker, world_size, ("zigzag", "contiguous"))
-    print({m: max(r[m] for r in results) for m in ("relay", "state_passing", "island")})
-    assert max(r["relay"] for r in results) < 2e-5
-    assert max(r["state_passing"] for r in results) < 2e-5
-    assert max(r["island"] for r in results) < 2e-5
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_every_split_matches_the_unsplit_chunked_scan(world_size):
+    """Relay, state passing and island on 2, 4 and 8 gloo ranks against the unsplit core, with fla's
+    64-token chunk structure in the reference kernels, over the sweep's boundary lengths."""
+    results = run_distributed(_sweep_worker, world_size)
+    failures = [f for fails, _ in results for f in fails]
+    print(worst_of([w for _, w in results]))
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_sweep_sees_blocks_off_the_chunk_grid():
+    """Negative control: with the split rule from before the split floor (blocks off the 64-token
+    grid), the sweep finds the relay wrong, up to Inf/NaN (what pcp=8 gave end to end)."""
+    results = run_distributed(_sweep_worker, 2, True)
+    failures = [f for fails, _ in results for f in fails]
+    assert any(" relay out" in f for f in failures)
+    assert any("'finite': False" in f for f in failures)
+    assert not any(" island " in f for f in failures)  # island does not depend on the grid
 
 
 def _conv_worker(rank, group):
-    """Conv halo alone, including segments shorter than the kernel (halo spans several segments)."""
-    num_computed, num_new = [0, 6, 0], [9, 8, 2]  # 2N-block splits of 8-9 tokens: 1-2 token blocks
-    case = gdn_case(5, num_computed, num_new)
+    """Conv halo alone: split prompts (fresh and continuing), a short prompt and a continuation that
+    is not split, so halos come from other ranks' tails, the cache and zeros."""
+    num_computed, num_new = [0, 6, 70, 0], [513, 8, 700, 3]
+    case, w = gdn_case(5, num_computed, num_new)
     plan = PCPPlan(num_computed, num_new, group.world_size, rank, PCPConfig(min_split_tokens=1))
+    assert plan.split.tolist() == [True, False, True, False]
     rows = torch.from_numpy(plan.local_full_idx[rank]).clamp(min=0)
     ctx = PCPContext(plan, group, "cpu")
     conv_state = case["conv_state"].clone()
-    y = conv_with_halo(ctx, TorchGDNKernels, case["mixed_qkv"][rows], weights_of(case), conv_state,
-                       case["state_idx"])
+    y = conv_with_halo(ctx, TorchGDNKernels, case["mixed_qkv"][rows], w, conv_state, case["state_idx"])
     ref_state = case["conv_state"].clone()
     init = torch.where(torch.tensor(num_computed)[:, None, None] > 0,
                        case["conv_state"][case["state_idx"]], 0.0)
-    y_ref = TorchGDNKernels.conv(case["mixed_qkv"], case["conv_weight"], case["conv_bias"], init,
-                                 None, cu_of(num_new))
+    y_ref = TorchGDNKernels.conv(case["mixed_qkv"], w.conv_weight, w.conv_bias, init, None, cu_of(num_new))
     T = plan.num_local_tokens
     torch.testing.assert_close(y, y_ref[rows[:T]], rtol=1e-6, atol=1e-6)
     for i, (c, n) in enumerate(zip(num_computed, num_new)):
@@ -155,3 +168,29 @@ def test_summary_exchange_sends_6_MiB_per_rank_at_35b_shape():
     results = run_distributed(_exchange_worker, 2)
     assert [b for b, _ in results] == [6 * 2**20, 6 * 2**20]
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+
+
+def _replicated_worker(rank, group):
+    """Rank 1 computes the replicated requests from other inputs than rank 0 (as if its kernels had
+    rounded differently): every rank must still keep rank 0's conv and SSM states."""
+    num_computed, num_new = [5, 0, 0], [1, 40, 300]  # a decode row, a short prompt, a split prompt
+    inp, w = gdn_case(3, num_computed, num_new)
+    ref = full_core(TorchGDNKernels, inp, w, num_computed, num_new, (341, 4, 8), torch.float32)
+    if rank == 1:  # the replicated requests come first in the local layout, as in the full batch
+        for name in ("mixed_qkv", "a", "b"):
+            inp[name] = inp[name].clone()
+            inp[name][:41] += 0.5
+    rows, got = rank_modes(rank, group, TorchGDNKernels, inp, w, num_computed, num_new,
+                           PCPConfig(min_split_tokens=1), "cpu")
+    return {mode: (conv, ssm) for mode, (_, conv, ssm) in got.items()}, ref
+
+
+def test_replicated_requests_keep_rank0_states():
+    results = run_distributed(_replicated_worker, 2)
+    (_, ref_conv, ref_ssm) = results[0][1]
+    for mode in ("relay", "state_passing", "island"):
+        for states, _ in results:
+            conv, ssm = states[mode]
+            torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0)
+            torch.testing.assert_close(ssm, ref_ssm, rtol=1e-6, atol=2e-6)
+        torch.testing.assert_close(results[0][0][mode][1], results[1][0][mode][1], rtol=0, atol=0)

@@ -5,17 +5,20 @@ import itertools
 import numpy as np
 import pytest
 
-from qwen36_pcp.plan import GDN_CHUNK, PCPConfig, PCPPlan, block_owner
+from qwen36_pcp.config import GDN_CHUNK, PCPConfig
+from qwen36_pcp.plan import PCPPlan, block_bounds, block_owner
 
 
-def random_batches(seed, count):
+def random_batches(seed, count, max_new=1200):
+    """Batches of 1-5 requests: decode rows, short prompts and prompts long enough to split (the
+    split threshold is 64 tokens per block: 256 at pcp=2 zigzag, 512 at pcp=4, 768 at pcp=3)."""
     rng = np.random.default_rng(seed)
     for _ in range(count):
         num_reqs = int(rng.integers(1, 6))
-        num_new = rng.integers(1, 40, size=num_reqs)
+        num_new = rng.integers(1, max_new, size=num_reqs)
         decode = rng.random(num_reqs) < 0.3
         num_new[decode] = 1
-        num_computed = np.where(rng.random(num_reqs) < 0.5, rng.integers(0, 50, size=num_reqs), 0)
+        num_computed = np.where(rng.random(num_reqs) < 0.5, rng.integers(0, 200, size=num_reqs), 0)
         yield num_computed, num_new
 
 
@@ -23,13 +26,14 @@ CASES = [
     (n, layout, min_split)
     for n in (2, 3, 4)
     for layout in ("zigzag", "contiguous")
-    for min_split in (1, 5)
+    for min_split in (1, 700)
 ]
 
 
 @pytest.mark.parametrize("world_size,layout,min_split", CASES)
 def test_plan_properties(world_size, layout, min_split):
     cfg = PCPConfig(layout=layout, min_split_tokens=min_split)
+    seen = {"split": 0, "replicated": 0}
     for num_computed, num_new in random_batches(world_size * 7 + min_split, 60):
         plans = [PCPPlan(num_computed, num_new, world_size, r, cfg) for r in range(world_size)]
         p0 = plans[0]
@@ -50,10 +54,13 @@ def test_plan_properties(world_size, layout, min_split):
             seg = slice(p0.req_start[i], p0.req_start[i + 1])
             expected = 1 if p0.split[i] else world_size
             assert (copies[seg] == expected).all()
-        # splitting rule: requests shorter than the threshold (and decode rows) are replicated
-        threshold = max(min_split, cfg.num_blocks(world_size))
+        # splitting rule: requests shorter than the threshold (and decode rows) are replicated; the
+        # threshold never lets a block start off the 64-token chunk grid
+        threshold = max(min_split, GDN_CHUNK * cfg.num_blocks(world_size))
         assert np.array_equal(p0.split, num_new >= threshold)
         assert not p0.split[num_new == 1].any()
+        seen["split"] += int(p0.split.sum())
+        seen["replicated"] += int((~p0.split).sum())
         # equal padded token count, and nothing wasted beyond the largest rank
         counts = p0.tokens_per_rank()
         assert p0.t_pad == max(1, counts.max())
@@ -70,10 +77,11 @@ def test_plan_properties(world_size, layout, min_split):
                 for s in p0.segments[r]:
                     if s.req == i:
                         assert block_owner(s.block, world_size, layout) == r
-        # blocks on whole GDN chunks when every block can get one; the relay's runs are row ranges
+        # every block but the last on whole GDN chunks (pcp=1's chunk grid); the relay's runs are
+        # row ranges
         for i in p0.split_reqs:
-            if num_new[i] >= GDN_CHUNK * cfg.num_blocks(world_size):
-                assert (p0.block_bounds[int(i)][:-1] % GDN_CHUNK == 0).all()
+            assert (p0.block_bounds[int(i)][:-1] % GDN_CHUNK == 0).all()
+            assert (np.diff(p0.block_bounds[int(i)]) >= GDN_CHUNK).all()
         for r in range(world_size):
             runs = p0.run_rows(r)
             assert len(runs) == sum(own == r for own, _, _ in p0.summary_runs) * bool(p0.splits_any)
@@ -102,19 +110,20 @@ def test_plan_properties(world_size, layout, min_split):
         g = p0.gathered_full_idx()
         assert np.array_equal(np.sort(g[g >= 0]), np.arange(p0.num_tokens))
         assert np.array_equal(g[p0.gathered_of_full], np.arange(p0.num_tokens))
+    assert seen["split"] >= 10 and seen["replicated"] >= 10, seen  # both branches ran
 
 
 def test_zigzag_balances_causal_work():
     """With equal blocks zigzag gives every rank the same causal attention work; contiguous does not.
-    Blocks are whole 64-token GDN chunks (unless a block would get none), so equal up to a chunk."""
-    for world_size, n in itertools.product((2, 3, 4), (64, 640, 6400, 65536)):
+    Blocks are whole 64-token GDN chunks, so equal up to a chunk."""
+    for world_size, n in itertools.product((2, 3, 4), (1000, 6400, 65536)):
         work = {}
         for layout in ("zigzag", "contiguous"):
             plan = PCPPlan([0], [n], world_size, 0, PCPConfig(layout=layout, min_split_tokens=1))
+            assert plan.splits_any
             per_rank = []
             for r in range(world_size):
-                _, used, _ = plan.attention_vseqs(r)
-                cu, _, _ = plan.attention_vseqs(r)
+                cu, used, _ = plan.attention_vseqs(r)
                 lens = np.diff(cu)
                 # query q of a segment of length L ending at e sees e - L + q + 1 keys
                 per_rank.append(sum(int(L * (e - L) + L * (L + 1) // 2) for L, e in zip(lens, used)))
@@ -122,23 +131,29 @@ def test_zigzag_balances_causal_work():
         total = n * (n + 1) // 2
         assert work["zigzag"].sum() == work["contiguous"].sum() == total
         zz = work["zigzag"]
-        nb = 2 * world_size
-        rounding = GDN_CHUNK if n >= GDN_CHUNK * nb else 1  # the unit block sizes are rounded to
-        assert zz.max() / zz.min() <= 1 + 4 * world_size * rounding / n
+        assert zz.max() / zz.min() <= 1 + 4 * world_size * GDN_CHUNK / n
         cont = work["contiguous"]
         assert cont.max() / cont.min() > 2  # the last rank does (2N-1)x the first's work
 
 
-def test_short_prompts_and_decodes_not_split():
-    for world_size in (2, 4):
-        cfg = PCPConfig(min_split_tokens=1)
-        for n in range(1, 2 * world_size):
+def test_split_floor_one_chunk_per_block():
+    """Whatever min_split_tokens says, a request is split only from one 64-token chunk per block on."""
+    for world_size, layout in itertools.product((2, 4, 8), ("zigzag", "contiguous")):
+        cfg = PCPConfig(layout=layout, min_split_tokens=1)
+        floor = GDN_CHUNK * cfg.num_blocks(world_size)
+        assert cfg.split_threshold(world_size) == floor
+        assert PCPConfig(layout=layout, min_split_tokens=floor + 5).split_threshold(world_size) == floor + 5
+        for n in (1, 2 * world_size, 63, 65, floor - 1):
             plan = PCPPlan([0, 7], [n, 1], world_size, 0, cfg)
             assert not plan.splits_any
             assert plan.t_pad == n + 1
             assert (plan.last_token_owner() == 0).all()
-        plan = PCPPlan([0, 7], [2 * world_size, 1], world_size, 1, cfg)
-        assert plan.splits_any and plan.t_pad == 2 + 1
+        plan = PCPPlan([0, 7], [floor, 1], world_size, 1, cfg)
+        per_rank = floor // world_size  # one chunk per block
+        assert plan.splits_any and plan.t_pad == per_rank + 1
+        assert (np.diff(plan.block_bounds[0]) == GDN_CHUNK).all()
+    with pytest.raises(ValueError, match="fewer than one 64-token chunk per block"):
+        block_bounds(100, 4)
 
 
 def test_step_splits_matches_plan():

@@ -2,7 +2,7 @@
 
 import torch
 
-from qwen36_pcp.tools.dist import run_distributed
+from tests.dist import run_distributed
 
 
 def _collectives(rank, group):

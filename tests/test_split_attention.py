@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from qwen36_pcp.layers.context import PCPContext
-from qwen36_pcp.layers.split_attention import split_attention_reference
+from .attention_reference import split_attention_reference
 from qwen36_pcp.plan import PCPConfig, PCPPlan
 
-from qwen36_pcp.tools.dist import run_distributed
+from tests.dist import run_distributed
 from .layer_cases import BATCHES, kv_layout
 
 H, KVH, D, BS = 4, 2, 16, 8

@@ -1,8 +1,8 @@
 """The PCP context: one object per step, passed to every PCP layer.
 
 It holds the host plan, its device index tensors and the PCP process group (vLLM's GroupCoordinator,
-the object ``vllm.distributed.get_pcp_group()`` returns). All PCP communication goes through
-``all_gather`` here, so the bytes a step sends can be counted in one place.
+the object ``vllm.distributed.get_pcp_group()`` returns). All PCP communication of a split step goes
+through ``all_gather`` and ``broadcast_primary`` here, so the bytes a step sends are counted in one place.
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ class PCPContext:
         x = x.contiguous()
         self.bytes_sent += x.numel() * x.element_size()
         return self.group.all_gather(x, dim=0)
+
+    def broadcast_primary(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank: what every rank computed for the replicated requests is kept
+        from the primary copy only, so the ranks' caches cannot drift apart bit by bit."""
+        x = x.contiguous()
+        if self.rank == 0:
+            self.bytes_sent += x.numel() * x.element_size()
+        return self.group.broadcast(x, 0)
 
     # ---------------------------------------------------------------- cached
     def _cached(self, key, build):

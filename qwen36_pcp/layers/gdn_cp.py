@@ -22,8 +22,8 @@ Short conv halo: a segment's first width-1 inputs come from the previous segment
 all-gathered), from the cached conv state (continuation), or are zeros (true sequence start).
 
 ``island`` mode gathers the whole batch instead and runs the plain GDN core (reference and fallback).
-Kernels are passed in: ``VllmGDNKernels`` (vLLM's Triton kernels, GPU) or ``TorchGDNKernels`` (fp32
-reference, CPU).
+Kernels are passed in: ``VllmGDNKernels`` (vLLM's Triton kernels) or any object with the same contract
+(the tests' fp32 torch reference with the same 64-token chunk structure).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from .context import PCPContext
 
@@ -52,88 +51,6 @@ class GDNWeights:
 
 
 # ------------------------------------------------------------------------------------- kernels
-class TorchGDNKernels:
-    """fp32 torch reference kernels (CPU), same contracts as ``VllmGDNKernels``."""
-
-    @staticmethod
-    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu", cache=None):
-        """x [T, D]; init_states [S, D, W-1] (the W-1 inputs before each segment) -> [T, D].
-
-        The GPU kernel overwrites init_states with each segment's final state: pass scratch.
-        ``cache``: a per-step dict where launch metadata computed from ``cu_cpu`` may be kept.
-        """
-        out = torch.empty_like(x)
-        bounds = cu_cpu.tolist()
-        w = weight.float()
-        for s in range(len(bounds) - 1):
-            a, b = bounds[s], bounds[s + 1]
-            if b == a:
-                continue
-            xx = torch.cat([init_states[s].float().transpose(0, 1), x[a:b].float()], 0)  # [W-1+L, D]
-            y = F.conv1d(xx.transpose(0, 1)[None], w[:, None, :], groups=w.shape[0])[0]  # [D, L]
-            y = y.transpose(0, 1)
-            if bias is not None:
-                y = y + bias.float()
-            if activation in ("silu", "swish"):
-                y = F.silu(y)
-            out[a:b] = y.to(x.dtype)
-        return out
-
-    @staticmethod
-    def prep(y, a, b, w: GDNWeights):
-        """Split q/k/v, L2-normalise q/k, gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
-        T = y.shape[0]
-        hk, dk, dv = w.num_k_heads, w.head_k_dim, w.head_v_dim
-        q, k, v = torch.split(y, [hk * dk, hk * dk, y.shape[1] - 2 * hk * dk], dim=-1)
-        q = F.normalize(q.float().view(T, hk, dk), dim=-1, eps=1e-6).to(y.dtype)
-        k = F.normalize(k.float().view(T, hk, dk), dim=-1, eps=1e-6).to(y.dtype)
-        v = v.reshape(T, -1, dv)
-        g = -torch.exp(w.A_log.float()) * F.softplus(a.float() + w.dt_bias.float())
-        beta = torch.sigmoid(b.float())
-        return q, k, v, g, beta
-
-    @staticmethod
-    def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None, cache=None):
-        """Sequential scan. q,k [T,H,K]; v [T,HV,V]; g,beta [T,HV]; init [S,HV,V,K] -> (o, final fp32)."""
-        T, H, K = q.shape
-        HV = v.shape[1]
-        rep = HV // H
-        scale = K**-0.5 if scale is None else scale
-        qf = q.float().repeat_interleave(rep, 1)
-        kf = k.float().repeat_interleave(rep, 1)
-        vf = v.float()
-        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        final = torch.empty(init.shape, dtype=torch.float32, device=v.device)
-        bounds = cu_cpu.tolist()
-        for s in range(len(bounds) - 1):
-            X = init[s].float().clone()  # [HV, V, K]
-            for t in range(bounds[s], bounds[s + 1]):
-                kt = kf[t]  # [HV, K]
-                X = g[t].exp()[:, None, None] * (
-                    X - beta[t][:, None, None] * (X @ kt[:, :, None]) * kt[:, None, :]
-                )
-                X = X + beta[t][:, None, None] * vf[t][:, :, None] * kt[:, None, :]
-                o[t] = (X @ (scale * qf[t])[:, :, None])[..., 0]
-            final[s] = X
-        return o.to(v.dtype), final
-
-    # relay: chunk-local steps once, then the state recurrence and the outputs run by run
-    @staticmethod
-    def chunk_local(q, k, v, g, beta, cu, cu_cpu, cache=None):
-        return SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta)
-
-    @staticmethod
-    def chunk_states(prep, lo, hi, init, cu, cu_cpu, cache=None):
-        """Rows [lo, hi) as sequences ``cu`` (relative to lo) from ``init`` -> (final fp32, pending)."""
-        o, final = TorchGDNKernels.chunk(prep.q[lo:hi], prep.k[lo:hi], prep.v[lo:hi], prep.g[lo:hi],
-                                         prep.beta[lo:hi], init, cu, cu_cpu)
-        return final, o
-
-    @staticmethod
-    def chunk_outputs(prep, lo, hi, pending, cu, cu_cpu, cache=None):
-        return pending
-
-
 class VllmGDNKernels:
     """vLLM 0.20.2's kernels: causal_conv1d_fn, fused_post_conv_prep and its bundled fla chunk scan.
 
@@ -352,9 +269,9 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
         ssm_state[state_idx.index_select(0, idx["split_reqs"])] = x_end.to(ssm_state.dtype)
     rep_slots = idx["replicated_slots"]
     if rep_slots.numel():
-        ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = final.index_select(
-            0, rep_slots
-        )[:, :, :V, :].to(ssm_state.dtype)
+        rep_final = final.index_select(0, rep_slots)[:, :, :V, :]
+        ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = ctx.broadcast_primary(
+            rep_final).to(ssm_state.dtype)
 
 
 def _compose(s, nxt, V):
@@ -451,7 +368,8 @@ def gdn_relay(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, w: GDNWe
         init = start_states(idx["replicated_reqs"], idx["replicated_from_cache"])
         final, pending = kernels.chunk_states(prep, 0, rows, init, cu, cu_cpu, cache)
         core_attn_out[:rows] = kernels.chunk_outputs(prep, 0, rows, pending, cu, cu_cpu, cache)
-        ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = final.to(ssm_state.dtype)
+        ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = ctx.broadcast_primary(final).to(
+            ssm_state.dtype)
     if not len(plan.split_reqs):
         return
     x = start_states(idx["split_reqs"], idx["split_from_cache"])
@@ -486,31 +404,3 @@ def gdn_island(ctx: PCPContext, full_core, mixed_qkv, b, a, core_attn_out):
     full_core(full_qkv, full_b, full_a, full_out)
     T = t.num_local_tokens
     core_attn_out[:T] = full_out.index_select(0, t.local_idx[:T])
-
-
-def gdn_full_reference(kernels, mixed_qkv, b, a, out, w: GDNWeights, conv_state, ssm_state,
-                       state_idx, num_computed, cu_cpu):
-    """The plain (unsplit) GDN core of a batch of requests, with the given kernels; writes the states.
-
-    conv_state [lines, D, W-1]; ``num_computed`` (host ints) says which requests continue from the cache.
-    """
-    has_init = torch.tensor([int(c) > 0 for c in num_computed], device=mixed_qkv.device)
-    init_conv = conv_state.index_select(0, state_idx).to(mixed_qkv.dtype)
-    init_conv = torch.where(has_init[:, None, None], init_conv, 0)  # [R, D, W-1]
-    cu = cu_cpu.to(mixed_qkv.device)
-    width = w.conv_weight.shape[1]
-    bounds = cu_cpu.tolist()
-    new_conv = [  # before the conv kernel, which writes its final states into init_conv
-        torch.cat([init_conv[i].transpose(0, 1), mixed_qkv[bounds[i] : bounds[i + 1]]], 0)[-(width - 1) :]
-        for i in range(len(bounds) - 1)
-    ]
-    scratch = init_conv.transpose(1, 2).contiguous().transpose(1, 2)  # SD layout, like vLLM's cache
-    y = kernels.conv(mixed_qkv, w.conv_weight, w.conv_bias, scratch, cu, cu_cpu, w.activation)
-    for i, state in enumerate(new_conv):
-        conv_state[state_idx[i]] = state.transpose(0, 1).to(conv_state.dtype)
-    q, k, v, g, beta = kernels.prep(y, a, b, w)
-    init = ssm_state.index_select(0, state_idx).float()
-    init = torch.where(has_init[:, None, None, None], init, 0.0)
-    o, final = kernels.chunk(q, k, v, g, beta, init, cu, cu_cpu)
-    ssm_state[state_idx] = final.to(ssm_state.dtype)
-    out[: o.shape[0]] = o.to(out.dtype)

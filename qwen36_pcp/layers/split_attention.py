@@ -9,7 +9,6 @@ segment's tokens and whose keys are the request's first ``num_computed + segment
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .context import PCPContext
 
@@ -42,6 +41,14 @@ def attend_local_flash(ctx: PCPContext, query, key_cache, value_cache, block_tab
 
     ``fa_kwargs`` passes the impl's extras through (alibi_slopes, window_size, softcap, descales, s_aux).
     The builder's FA3 scheduler metadata is not reused: it was planned for the full batch shape.
+
+    ``num_splits=1``: left to itself (0), flash-attention splits a tile's keys over several thread
+    blocks when a call has too few query tiles to fill the GPU, and the split count follows the
+    call's shape. A rank's share of a step is a smaller call than pcp=1's whole step, so it split
+    where pcp=1 did not and rounded differently (pcp=8, 1 bf16 ulp on 5 of 8 ranks). Unsplit, every
+    query row is reduced over its keys in the one order pcp=1 uses on a step of that size: bit for
+    bit pcp=1's wherever pcp=1 does not split (its long steps). The cost is occupancy on split steps
+    whose ranks hold few query tiles against long keys (small prefill chunks at large N).
     """
     from vllm.v1.attention.backends import flash_attn as fa
 
@@ -61,62 +68,9 @@ def attend_local_flash(ctx: PCPContext, query, key_cache, value_cache, block_tab
         block_table=vseq_block_table(ctx, block_table),
         scheduler_metadata=None,
         fa_version=fa_version,
-        num_splits=0,
+        num_splits=1,
         **fa_kwargs,
     )
     if n < output.shape[0]:
         output[n:] = 0
     return output
-
-
-# ----------------------------------------------------------------------------- torch reference
-def write_kv_reference(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Reference of vLLM's reshape_and_cache_flash: cache [num_blocks, block_size, kvh, d]."""
-    keep = slots >= 0
-    flat_k = key_cache.view(-1, *key_cache.shape[2:])
-    flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k[slots[keep]] = k[keep].to(flat_k.dtype)
-    flat_v[slots[keep]] = v[keep].to(flat_v.dtype)
-
-
-def paged_causal_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
-                                     value_cache: torch.Tensor, cu_q: torch.Tensor,
-                                     seqused_k: torch.Tensor, block_table: torch.Tensor,
-                                     scale: float) -> torch.Tensor:
-    """End-aligned causal attention of varlen queries against a paged cache (GQA), in fp32."""
-    block_size = key_cache.shape[1]
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    cu = cu_q.tolist()
-    used = seqused_k.tolist()
-    for s in range(len(used)):
-        a, b, n_k = cu[s], cu[s + 1], used[s]
-        if b == a:
-            continue
-        pos = torch.arange(n_k, device=q.device)
-        slots = block_table[s, pos // block_size].long() * block_size + pos % block_size
-        k = key_cache.view(-1, *key_cache.shape[2:])[slots].float()  # [n_k, kvh, d]
-        v = value_cache.view(-1, *value_cache.shape[2:])[slots].float()
-        qs = q[a:b].float()  # [n_q, h, d]
-        rep = qs.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        n_q = b - a
-        # bottom-right aligned causal mask: query i sees keys [0, n_k - n_q + i]
-        mask = pos[None, :] <= (n_k - n_q + torch.arange(n_q, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(
-            qs.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-        )
-        out[a:b] = o.transpose(0, 1).to(q.dtype)
-    return out
-
-
-def split_attention_reference(ctx: PCPContext, query, key, value, key_cache, value_cache,
-                              slot_mapping, block_table, scale) -> torch.Tensor:
-    """The whole split-attention layer step with torch reference kernels (CPU tests)."""
-    k_all, v_all, slots = gather_kv_for_cache(ctx, key, value, slot_mapping)
-    write_kv_reference(k_all, v_all, key_cache, value_cache, slots)
-    t = ctx.t
-    return paged_causal_attention_reference(
-        query, key_cache, value_cache, t.cu_q, t.seqused_k, vseq_block_table(ctx, block_table), scale
-    )

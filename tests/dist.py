@@ -21,7 +21,7 @@ def _free_port() -> int:
 
 
 class TorchDistGroup:
-    """GroupCoordinator's all_gather contract over the default torch.distributed group."""
+    """GroupCoordinator's all_gather and broadcast contracts over the default torch.distributed group."""
 
     def __init__(self):
         import torch.distributed as dist
@@ -37,6 +37,12 @@ class TorchDistGroup:
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous())
         return out
+
+    def broadcast(self, x, src=0):
+        import torch.distributed as dist
+
+        dist.broadcast(x, src=src)
+        return x
 
 
 def _worker(rank, world_size, port, fn, args, queue, backend):
@@ -71,9 +77,23 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
         queue.put((rank, "error", traceback.format_exc()))
 
 
+# Importing vLLM takes ~13 CPU seconds, and 8 ranks on 2 cores would spend a minute on it: the gloo ranks
+# are forked from one server process that has imported vLLM's process-group module once (it does
+# nothing else, so every rank starts clean). NCCL ranks are spawned (CUDA does not survive a fork).
+_PRELOAD = ["vllm.config", "vllm.distributed.parallel_state", "tests.dist"]
+
+
+def _context(backend: str):
+    if backend == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo") -> list:
     """Run ``fn(rank, group, *args)`` on ``world_size`` processes; returns the per-rank results."""
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     queue = ctx.Queue()
     port = _free_port()
     procs = [

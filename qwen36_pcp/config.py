@@ -1,0 +1,94 @@
+"""The plugin's options and the one question every hook asks first: is this our model at pcp > 1?
+
+A leaf module (it imports nothing of the package), so the model, the plan and the runner hooks can
+all read it without importing each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ARCHITECTURE = "Qwen3_6ForCausalLM"
+
+LAYOUTS = ("zigzag", "contiguous")
+GDN_MODES = ("relay", "state_passing", "island")
+MOE_EXPERTS = ("replicated", "sharded")
+
+# fla's chunk size: the chunked GDN kernels cut every sequence into 64-token chunks from its start.
+GDN_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class PCPConfig:
+    """User-facing PCP options, from ``additional_config={"qwen36_pcp": {...}}``."""
+
+    layout: str = "zigzag"
+    gdn_mode: str = "relay"
+    min_split_tokens: int = 512
+    moe_experts: str = "replicated"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"qwen36_pcp: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.gdn_mode not in GDN_MODES:
+            raise ValueError(
+                f"qwen36_pcp: gdn_mode must be one of {GDN_MODES}, got {self.gdn_mode!r}"
+            )
+        if self.moe_experts not in MOE_EXPERTS:
+            raise ValueError(
+                f"qwen36_pcp: moe_experts must be one of {MOE_EXPERTS}, got {self.moe_experts!r}"
+            )
+        if not isinstance(self.min_split_tokens, int) or self.min_split_tokens < 1:
+            raise ValueError(
+                f"qwen36_pcp: min_split_tokens must be an integer >= 1, got {self.min_split_tokens!r}"
+            )
+
+    @classmethod
+    def from_additional_config(cls, additional_config: dict | None) -> PCPConfig:
+        options = dict((additional_config or {}).get("qwen36_pcp", {}) or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"qwen36_pcp: unknown option(s) {unknown} in additional_config['qwen36_pcp']; "
+                f"known: {sorted(known)}"
+            )
+        return cls(**options)
+
+    def num_blocks(self, world_size: int) -> int:
+        return 2 * world_size if self.layout == "zigzag" else world_size
+
+    def split_threshold(self, world_size: int) -> int:
+        """Fewest new tokens a request needs to be split: ``min_split_tokens``, and never fewer than
+        one whole 64-token GDN chunk per block.
+
+        Why the floor: the GDN relay scans a rank's adjacent blocks (zigzag: blocks N-1 and N) as one
+        sequence, and fla's chunked kernels are only right on pieces that are whole chunks. A block
+        that is not (blocks of a prompt shorter than 64 x 2N tokens) made the relay's chunk grid
+        disagree with the one its chunk-local stage used, which gave NaN (pcp=8, 520-900 tokens).
+        With the floor every block but a request's last is a whole number of chunks, so each
+        block's scan cuts exactly pcp=1's chunks (the relay is then pcp=1 bit for bit), and a prompt
+        too short to give each block a chunk runs replicated, as pcp=1 runs it. The floor is 64 x 2N
+        tokens for zigzag (pcp=2: 256, pcp=8: 1024), 64 x N for contiguous.
+        """
+        return max(int(self.min_split_tokens), GDN_CHUNK * self.num_blocks(world_size))
+
+    def step_splits(self, num_new_tokens, world_size: int) -> bool:
+        """Whether a step with these per-request new-token counts splits any request."""
+        if world_size <= 1:
+            return False
+        threshold = self.split_threshold(world_size)
+        return any(int(n) >= threshold for n in num_new_tokens)
+
+
+def uses_pcp(vllm_config) -> bool:
+    """Our model with prefill_context_parallel_size > 1: the only case any hook acts on."""
+    if vllm_config is None or vllm_config.model_config is None:
+        return False
+    archs = getattr(vllm_config.model_config, "architectures", None) or []
+    return vllm_config.parallel_config.prefill_context_parallel_size > 1 and ARCHITECTURE in archs
+
+
+def pcp_config_of(vllm_config) -> PCPConfig:
+    return PCPConfig.from_additional_config(vllm_config.additional_config)
