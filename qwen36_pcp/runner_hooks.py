@@ -32,8 +32,9 @@ import os
 import numpy as np
 import torch
 
-from .model.qwen3_6 import ARCHITECTURE
-from .plan import PCPConfig, PCPPlan
+from .checks import triton_gdn_prefill_under_pcp, validate_pcp_config, wants_whole_experts
+from .config import ARCHITECTURE, pcp_config_of, uses_pcp
+from .plan import PCPPlan
 
 
 _PATCHED_MARK = "__qwen36_pcp_original__"
@@ -42,18 +43,6 @@ _installed = False
 _worker_kv_replicated = False
 # True while our model's layers are built with whole experts on every PCP rank.
 _building_whole_experts = False
-
-
-def uses_pcp(vllm_config) -> bool:
-    """Our model with prefill_context_parallel_size > 1: the only case any hook acts on."""
-    if vllm_config is None or vllm_config.model_config is None:
-        return False
-    archs = getattr(vllm_config.model_config, "architectures", None) or []
-    return vllm_config.parallel_config.prefill_context_parallel_size > 1 and ARCHITECTURE in archs
-
-
-def pcp_config_of(vllm_config) -> PCPConfig:
-    return PCPConfig.from_additional_config(vllm_config.additional_config)
 
 
 def _as_pcp1(vllm_config):
@@ -77,68 +66,6 @@ def _patch(owner, name: str, make_wrapper) -> None:
 
 
 # =============================================================================== startup checks
-def validate_pcp_config(vllm_config) -> None:
-    """Reject, at startup and with one clear message, what PCP for Qwen3.6 does not support."""
-    if not uses_pcp(vllm_config):
-        return
-    pc = vllm_config.parallel_config
-    problems = []
-    try:
-        pcp_config_of(vllm_config)
-    except ValueError as e:
-        problems.append(str(e))
-    if pc.decode_context_parallel_size > 1:
-        problems.append("decode context parallel (-dcp > 1) together with PCP")
-    if pc.pipeline_parallel_size > 1:
-        problems.append("pipeline parallel together with PCP")
-    if pc.data_parallel_size > 1:
-        problems.append("data parallel together with PCP")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding (MTP / draft models) together with PCP")
-    backend = getattr(vllm_config.attention_config, "backend", None)
-    if backend is not None and getattr(backend, "name", str(backend)) != "FLASH_ATTN":
-        problems.append(f"attention backend {getattr(backend, 'name', backend)} (PCP needs FLASH_ATTN)")
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in ("auto", "bfloat16", "float16"):
-        problems.append(f"quantized KV cache (kv_cache_dtype={cache_dtype}) together with PCP")
-    text = vllm_config.model_config.hf_text_config
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-        problems.append("sliding-window attention layers")
-    layer_types = list(getattr(text, "layer_types", None) or [])
-    if "linear_attention" not in layer_types or "full_attention" not in layer_types:
-        problems.append(
-            "a non-hybrid model (PCP here is for Gated DeltaNet + full-attention hybrids; "
-            f"layer_types={sorted(set(layer_types))})"
-        )
-    if getattr(vllm_config.model_config, "enable_return_routed_experts", False):
-        problems.append("enable_return_routed_experts together with PCP")
-    if gdn_prefill_backend(vllm_config) == "flashinfer":
-        problems.append(
-            "gdn_prefill_backend='flashinfer' (PCP's split steps run vLLM's Triton/FLA GDN kernels: "
-            "pass 'triton' or leave it unset)"
-        )
-    problems += whole_experts_problems(vllm_config)
-    if problems:
-        raise ValueError(
-            f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
-            f"{ARCHITECTURE} does not support: " + "; ".join(problems) + "."
-        )
-
-
-def gdn_prefill_backend(vllm_config) -> str:
-    return str((vllm_config.additional_config or {}).get("gdn_prefill_backend", "auto")).strip().lower()
-
-
-def triton_gdn_prefill_under_pcp(vllm_config) -> None:
-    """At pcp > 1 an unset GDN prefill backend means Triton/FLA, not vLLM's 'auto' (FlashInfer on
-    SM90): the split steps run the Triton kernels (the relay needs their stages), and every prefill
-    step of the engine then runs the same kernels as pcp == 1 with ``gdn_prefill_backend='triton'``."""
-    if uses_pcp(vllm_config) and gdn_prefill_backend(vllm_config) == "auto":
-        vllm_config.additional_config["gdn_prefill_backend"] = "triton"
-        logging.getLogger("vllm.qwen36_pcp").info(
-            "qwen36_pcp: GDN prefill backend set to 'triton' for prefill context parallel")
-
-
 def install_startup_checks() -> None:
     """Run our checks where vLLM verifies model-specific config (VllmConfig.__post_init__)."""
     from vllm.model_executor.models import config as model_configs
@@ -158,57 +85,6 @@ def install_startup_checks() -> None:
 
 
 # ================================================================ model: whole experts per rank
-def wants_whole_experts(vllm_config) -> bool:
-    """Our MoE model at pcp > 1 with ``moe_experts="replicated"`` (the default)."""
-    if not uses_pcp(vllm_config) or not getattr(vllm_config.model_config.hf_text_config, "num_experts", 0):
-        return False
-    try:
-        return pcp_config_of(vllm_config).moe_experts == "replicated"
-    except ValueError:  # reported by validate_pcp_config
-        return False
-
-
-def whole_experts_bytes(vllm_config) -> int | None:
-    """Every expert's weights of every MoE layer, unquantized (None: quantized, size unknown here)."""
-    if vllm_config.model_config.quantization is not None:
-        return None
-    t = vllm_config.model_config.hf_text_config
-    layers = t.num_hidden_layers - len(getattr(t, "mlp_only_layers", None) or [])
-    per_expert = 3 * t.hidden_size * t.moe_intermediate_size
-    return layers * t.num_experts * per_expert * vllm_config.model_config.dtype.itemsize
-
-
-def whole_experts_problems(vllm_config) -> list[str]:
-    """Startup checks for whole experts: expert parallel would split them; they must fit a GPU."""
-    if not wants_whole_experts(vllm_config):
-        return []
-    problems = []
-    if vllm_config.parallel_config.enable_expert_parallel:
-        problems.append(
-            "enable_expert_parallel with moe_experts='replicated' (expert parallel splits the experts "
-            "over the PCP ranks: pass additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}})"
-        )
-    need = whole_experts_bytes(vllm_config)
-    if need is not None:
-        need //= vllm_config.parallel_config.tensor_parallel_size  # experts still shard over TP
-    try:
-        from vllm.platforms import current_platform
-
-        total = current_platform.get_device_total_memory(0)
-    except Exception:  # noqa: BLE001 - no device to ask (config built without a GPU)
-        total = None
-    util = vllm_config.cache_config.gpu_memory_utilization
-    if need is not None and total and need > 0.8 * util * total:
-        pcp = vllm_config.parallel_config.prefill_context_parallel_size
-        problems.append(
-            f"moe_experts='replicated' keeps every expert on every GPU: {need / 2**30:.3g} GiB, more than "
-            f"80% of the {util * total / 2**30:.3g} GiB that gpu_memory_utilization={util} allows; pass "
-            "additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}} to shard them over the PCP "
-            f"ranks as vLLM does ({need / pcp / 2**30:.3g} GiB each)"
-        )
-    return problems
-
-
 @contextlib.contextmanager
 def whole_experts_on_every_pcp_rank(vllm_config):
     """Build our model's MoE layers with every expert whole on each PCP rank (no-op otherwise).

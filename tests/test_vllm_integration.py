@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qwen36_pcp.tools.dist import run_isolated
+from tests.dist import run_isolated
 
 ARCH = "Qwen3_6ForCausalLM"
 OVERRIDES = {"architectures": [ARCH]}
@@ -29,7 +29,7 @@ def test_entry_point_declared():
 
 # ---------------------------------------------------------------------------- config checks
 def _configs(ckpt):
-    from qwen36_pcp.tools.fake_cuda import engine_config, use_fake_cuda
+    from tests.fake_cuda import engine_config, use_fake_cuda
 
     use_fake_cuda()
     import qwen36_pcp
@@ -68,6 +68,9 @@ def _configs(ckpt):
                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
         "non_hybrid": dict(hf_overrides={**OVERRIDES, "text_config": {
             "layer_types": ["full_attention"] * 8}}),
+        "lora": dict(enable_lora=True),
+        "kv_connector": dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+        "pooling": dict(runner="pooling", convert="embed"),
     }
     out["errors"] = {}
     for name, kw in bad.items():
@@ -90,6 +93,17 @@ def _configs(ckpt):
         out["errors"]["small_gpu"] = f"{type(e).__name__}: {e}"
     engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
                   additional_config={"qwen36_pcp": {"moe_experts": "sharded"}})
+    # one visible GPU for two ranks: refused with the numbers; a custom worker class places its ranks
+    type(platforms._current_platform).get_device_total_memory = classmethod(lambda cls, i=0: 2**40)
+    type(platforms._current_platform).device_count = classmethod(lambda cls: 1)
+    try:
+        engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
+        out["errors"]["one_gpu"] = None
+    except Exception as e:  # noqa: BLE001
+        out["errors"]["one_gpu"] = f"{type(e).__name__}: {e}"
+    engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
+                  worker_cls="tests.gpu.shared_gpu.SharedGPUWorker")
+    engine_config(ckpt, hf_overrides=OVERRIDES, enable_lora=True)  # pcp=1: vLLM's own LoRA
     return out
 
 
@@ -112,11 +126,15 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "enable_expert_parallel" in out["errors"]["ep_whole_experts"]
     assert "keeps every expert on every GPU" in out["errors"]["small_gpu"], out["errors"]["small_gpu"]
     assert "'moe_experts': 'sharded'" in out["errors"]["small_gpu"]
+    assert "LoRA" in out["errors"]["lora"]
+    assert "kv_transfer_config" in out["errors"]["kv_connector"]
+    assert "'pooling' runner" in out["errors"]["pooling"]
+    assert "1 visible GPU(s)" in out["errors"]["one_gpu"] and "= 2 ranks" in out["errors"]["one_gpu"]
 
 
 # ------------------------------------------------------------------------------- KV guards
 def _kv_guards(ckpt):
-    from qwen36_pcp.tools.fake_cuda import engine_config, use_fake_cuda
+    from tests.fake_cuda import engine_config, use_fake_cuda
 
     use_fake_cuda()
     import qwen36_pcp
@@ -198,7 +216,7 @@ def test_replicated_kv_guards_only_for_our_model(tiny_ckpt):
 
 # ------------------------------------------------------------------------------ the model
 def _model(ckpt, pcp):
-    from qwen36_pcp.tools.fake_cuda import build_model, engine_config, use_fake_cuda
+    from tests.fake_cuda import build_model, engine_config, use_fake_cuda
 
     use_fake_cuda()
     import qwen36_pcp
@@ -242,7 +260,7 @@ def test_model_builds_and_every_tensor_is_mapped_or_skipped(tiny_ckpt, pcp):
 
 def _experts_on_rank(ckpt, rank, port, options):
     """Build the model as PCP rank ``rank`` of 2 processes, load the checkpoint, describe its experts."""
-    from qwen36_pcp.tools.fake_cuda import build_model, engine_config, use_fake_cuda
+    from tests.fake_cuda import build_model, engine_config, use_fake_cuda
 
     use_fake_cuda()
     import qwen36_pcp
@@ -263,12 +281,33 @@ def _experts_on_rank(ckpt, rank, port, options):
             "ckpt_down_shape": list(down.shape), "ckpt_down_abs_sum": down.double().abs().sum().item()}
 
 
+def test_per_token_metadata_features_are_named():
+    """The features the runner feeds per-token metadata of the whole batch, one line each (EPLB and
+    sequence parallelism cannot be configured on a CPU machine, so the check is called directly)."""
+    from qwen36_pcp.checks import per_token_metadata_problems
+
+    def cfg(**kw):
+        passes = SimpleNamespace(enable_sp=kw.get("sp"), fuse_gemm_comms=None)
+        return SimpleNamespace(
+            lora_config=kw.get("lora"), kv_transfer_config=None,
+            parallel_config=SimpleNamespace(enable_eplb=kw.get("eplb", False),
+                                            tensor_parallel_size=kw.get("tp", 1)),
+            compilation_config=SimpleNamespace(pass_config=passes),
+            model_config=SimpleNamespace(runner_type="generate"))
+
+    assert per_token_metadata_problems(cfg()) == []
+    assert per_token_metadata_problems(cfg(sp=True)) == []  # sequence parallelism needs tp > 1
+    assert "enable_eplb" in per_token_metadata_problems(cfg(eplb=True))[0]
+    assert "sequence parallelism" in per_token_metadata_problems(cfg(sp=True, tp=2))[0]
+    assert "LoRA" in per_token_metadata_problems(cfg(lora=object()))[0]
+
+
 def test_whole_experts_of_qwen36_35b_a3b_take_60_gib():
     """The number the README and the startup check use: 40 MoE layers x 256 experts x 3 x 2048 x 512,
     bf16, from the real config."""
     import torch
 
-    from qwen36_pcp.runner_hooks import whole_experts_bytes
+    from qwen36_pcp.checks import whole_experts_bytes
     from qwen36_pcp.tools.make_checkpoint import PRESETS
 
     text = SimpleNamespace(**PRESETS["qwen3.6-35b-a3b"]["text"])

@@ -26,9 +26,12 @@ from vllm.model_executor.models.qwen3_5 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
+from ..checks import whole_experts_bytes
+from ..config import ARCHITECTURE, pcp_config_of
+from ..runner_hooks import whole_experts_on_every_pcp_rank
+
 logger = init_logger(__name__)
 
-ARCHITECTURE = "Qwen3_6ForCausalLM"
 # Checkpoint tensors that belong to parts this text-only model does not build.
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 
@@ -37,12 +40,6 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        from ..runner_hooks import (
-            pcp_config_of,
-            whole_experts_bytes,
-            whole_experts_on_every_pcp_rank,
-        )
-
         with whole_experts_on_every_pcp_rank(vllm_config):
             Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
         if getattr(self.config, "num_experts", 0):
