@@ -22,13 +22,115 @@ def test_reuse_only_what_the_same_spec_code_and_stack_made(tmp_path, monkeypatch
     assert e2e._reused("missing", made_by) is None
 
 
-def test_jobs_that_fit_one_gpu_are_the_pcp1_baselines():
-    from tests.gpu import test_pcp_e2e
+def test_layout_jobs_cover_every_layout_and_engine():
+    from tests.gpu import test_pcp_e2e as t
 
-    one = e2e.module_jobs(test_pcp_e2e, 1)
-    assert sorted(one) == ["case1_unequal_batch_pcp1", "case2_3_pcp1", "case2_3_pcp1_chunk4096",
-                           "case3_repeat_pcp1"]
-    two = e2e.module_jobs(test_pcp_e2e, 2)
-    assert set(one) < set(two)
-    assert {"case1_unequal_batch_pcp2", "case1_unequal_batch_tp2", "serve_pcp2"} <= set(two)
-    assert all(spec["llm"]["prefill_context_parallel_size"] == 1 for spec, _ in one.values())
+    jobs = e2e.module_jobs(t)
+    assert {f"{e}_{lay}" for e in t.ENGINES for lay in t.LAYOUTS} | {"serve_pcp2"} == set(jobs)
+    ranks = {name: n for name, (_, n) in jobs.items()}
+    assert ranks["defaults_pcp8"] == 8 and ranks["chunked_tp2_pcp2"] == 4 and ranks["defaults_pcp1"] == 1
+    for name, (spec, n) in jobs.items():
+        if name != "serve_pcp2":
+            llm = spec["llm"]
+            assert llm["tensor_parallel_size"] * llm["prefill_context_parallel_size"] == n
+    assert set(t.REFERENCE) == set(t.LAYOUTS) - {"pcp1"} and set(t.START_ORDER) == set(t.LAYOUTS)
+    assert {case for case, (engine, _) in t.CASE_RUNS.items()} == {c for cs in t.ENGINES.values() for c in cs}
+
+
+def _out(tokens, lp=-0.5, finish="length"):
+    return {"token_ids": tokens, "logprobs": [{str(t): lp, "999": lp - 1} for t in tokens],
+            "finish_reason": finish}
+
+
+def test_compare_rules():
+    a = [_out([1, 2, 3]), _out([4, 5])]
+    assert e2e.compare(a, a)["ok"] and e2e.compare(a, a)["max_logprob_diff"] == 0
+    assert not e2e.compare(a, a[:1])["ok"]  # a prompt missing
+    assert not e2e.compare(a, [a[0], _out([4])])["ok"]  # same tokens, one fewer
+    assert not e2e.compare(a, [a[0], _out([4, 5], lp=float("nan"))])["ok"]  # NaN logprobs
+    swapped = [_out([1, 999, 3]), a[1]]  # diverges to a token in the other's top-5: rule (a) holds
+    swapped[0]["logprobs"][1]["2"] = -0.6
+    c = e2e.compare(a, swapped)
+    assert c["ok"] and c["diverged_at"] == [(0, 1)]
+    assert not e2e.compare(a, [_out([1, 7, 3]), a[1]])["ok"]  # a token outside the top-5
+    assert e2e.compare(a, [_out([1, 2, 3], lp=-0.75), a[1]])["max_logprob_diff"] == 0.25
+
+
+def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
+    """Each engine job's spec through ``run_engine`` against a stand-in for vLLM's LLM: every batch
+    and every action finds what it needs in the spec (a missing key would only show on a GPU)."""
+    import sys
+    import types
+
+    from tests.gpu import test_pcp_e2e as t
+
+    class Output:
+        def __init__(self, n):
+            self.token_ids, self.text, self.finish_reason = list(range(n)), "x", "length"
+            self.logprobs = [{i: types.SimpleNamespace(logprob=-0.5)} for i in range(n)]
+
+    class Engine:
+        def __init__(self):
+            self.pending, self.engine_core = {}, types.SimpleNamespace(shutdown=lambda: None)
+
+        def add_request(self, rid, prompt, sp):
+            assert prompt["prompt_token_ids"]
+            self.pending[rid] = [3, sp.max_tokens]  # steps left, tokens
+
+        def has_unfinished_requests(self):
+            return bool(self.pending)
+
+        def step(self):
+            done = []
+            for rid, left in list(self.pending.items()):
+                left[0] -= 1
+                if not left[0]:
+                    done.append(types.SimpleNamespace(request_id=rid, finished=True, outputs=[Output(left[1])]))
+                    del self.pending[rid]
+            return done
+
+        def abort_request(self, ids):
+            for rid in ids:
+                self.pending.pop(rid, None)
+
+    class LLM:
+        def __init__(self, **kw):
+            assert kw["model"] and kw["hf_overrides"]
+            self.llm_engine = Engine()
+
+        def generate(self, prompts, sp, use_tqdm=False):
+            assert all(p["prompt_token_ids"] for p in prompts)
+            return [types.SimpleNamespace(outputs=[Output(sp.max_tokens)], num_cached_tokens=0)
+                    for _ in prompts]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = LLM
+    fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 8192}}))
+    monkeypatch.setattr(e2e, "checkpoint", lambda preset="tiny": str(tmp_path))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    for name, (spec, _) in t.layout_jobs().items():
+        result = e2e.run_engine(spec)
+        assert len(result["runs"]) == len(spec["batches"]), name
+        for action in spec.get("actions", []):
+            assert action in result, (name, action)
+        if name.startswith("defaults"):
+            assert result["max_tokens_one"] == [1] * len(t.CASE1_LENGTHS)
+            assert result["abort_mid_prefill"]["finished"] == {"survivor": 8}
+
+
+def test_serve_prompts_fit_the_servers_context(tmp_path):
+    from tokenizers import Tokenizer
+
+    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+    from tests.gpu import test_pcp_e2e as t
+
+    ckpt = make_checkpoint(tmp_path / "tiny", preset="tiny", seed=0, config_only=True)
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    lengths = [len(tok.encode(p).ids) for p in t.serve_prompts()]
+    assert len(lengths) == 64 and max(lengths) + t.SERVE_MAX_TOKENS <= t.SERVE_MAX_MODEL_LEN, max(lengths)
+    assert max(lengths) > 8192 > min(lengths)  # mixed lengths, some long

@@ -18,7 +18,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def engine_pool(request):
-    """Run the jobs of every selected test in one pool, side by side on disjoint GPUs, once per session.
+    """Run the jobs of every selected test in one pool, side by side where they fit, once per pytest run.
 
     A test marked ``engine_jobs(builder=fn)`` declares ``fn() -> {name: (spec or callable, GPUs)}``
     and reads its results with ``e2e.result(engine_pool, name)``.
@@ -26,4 +26,4 @@ def engine_pool(request):
     from . import e2e
 
     marks = (m for item in request.session.items for m in item.iter_markers("engine_jobs"))
-    return e2e.engines(e2e.marked_jobs(marks))
+    return e2e.run_jobs(e2e.marked_jobs(marks))

@@ -1,12 +1,11 @@
 """End-to-end GPU checks: engines run in child processes (clean GPU state, bounded by timeouts).
 
     python -m tests.gpu.e2e engine SPEC.json OUT.json     # one engine: run prompts, dump outputs
-    python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e [SUFFIX ...]  # the module's jobs that fit
-                                                                     # this machine (names ending so)
+    python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e [SUFFIX ...]  # the module's jobs (names
+                                                                     # ending so), results saved
 
-``jobs`` saves each result as $OUT/<job>.json, for QWEN36_PCP_REUSE: on a 1-GPU machine it makes the
-pcp=1 baselines, so the 2-GPU machine only runs the pcp=2 and tp=2 engines; with suffixes (e.g.
-``_pcp2``) a short session runs those first.
+``jobs`` saves each result as $OUT/<job>.json, for QWEN36_PCP_REUSE (a long run spread over several
+calls: each reuses what the earlier ones saved).
 
 ``SPEC.json``: {"llm": {...LLM kwargs...}, "prompts": [[token ids], ...], "max_tokens": 32,
 "logprobs": 5, "actions": [...optional...], "engine_core_in_process": false}.
@@ -73,6 +72,12 @@ def request_outputs(results):
     return out
 
 
+def spec_batches(spec: dict) -> list[list[list[int]]]:
+    """A spec's batches of token-id prompts: ``batches`` (a batch may be one prompt), or ``prompts``."""
+    batches = spec.get("batches", [spec.get("prompts", [])])
+    return [[b] if b and isinstance(b[0], int) else b for b in batches]
+
+
 def run_engine(spec: dict) -> dict:
     if spec.get("engine_core_in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -85,8 +90,7 @@ def run_engine(spec: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 32),
                         logprobs=spec.get("logprobs", 5))
     result = {"startup_s": startup, "runs": []}
-    for batch in spec.get("batches", [spec.get("prompts", [])]):
-        batch = [batch] if batch and isinstance(batch[0], int) else batch
+    for batch in spec_batches(spec):
         t1 = time.time()
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
         result["runs"].append({"outputs": request_outputs(res), "seconds": time.time() - t1})
@@ -119,10 +123,12 @@ def _abort_mid_prefill(llm, spec):
 
 
 def _max_tokens_one(llm, spec):
+    """The first batch again with max_tokens=1: how many tokens each prompt got."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]],
+    first = spec_batches(spec)[0]
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in first],
                        SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     return [len(r.outputs[0].token_ids) for r in res]
 
@@ -251,20 +257,31 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
         return result
 
 
+# package files that cannot change an engine's answers (they only build checkpoints or reject configs)
+NOT_IN_FINGERPRINT = ("qwen36_pcp/tools/", "qwen36_pcp/checks.py")
+
+
 def fingerprint(spec: dict) -> dict:
-    """What an engine's result depends on: its spec, this package's and this file's code, the GDN
-    setting and the software and GPU it ran on. A saved result is reused only where all of it matches."""
+    """What an engine's result depends on: its spec, the checkpoint's bytes, the code of this package
+    that runs in the engine and of this file, the GDN setting and the software and GPU it ran on. A
+    saved result is reused only where all of it matches."""
     import hashlib
     import importlib.metadata as md
 
     import torch
 
     code = hashlib.sha256()
-    for path in sorted([*(REPO / "qwen36_pcp").rglob("*.py"), Path(__file__).resolve()]):
+    paths = [p for p in (REPO / "qwen36_pcp").rglob("*.py")
+             if not str(p.relative_to(REPO)).startswith(NOT_IN_FINGERPRINT)]
+    for path in sorted([*paths, Path(__file__).resolve()]):
         code.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    model = Path(spec.get("llm", {}).get("model", ""))
+    ckpt = hashlib.sha256()
+    for path in sorted(model.glob("*.json")) + sorted(model.glob("*.safetensors")) if model.is_dir() else []:
+        ckpt.update(path.name.encode() + b"\0" + path.read_bytes())
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return {"spec": hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16],
-            "code": code.hexdigest()[:16],
+            "code": code.hexdigest()[:16], "checkpoint": ckpt.hexdigest()[:16],
             "env": {k: child_env()[k] for k in sorted(CHILD_ENV)},
             "stack": f"vllm {md.version('vllm')}, torch {torch.__version__}, "
                      f"triton {md.version('triton')}, {gpu}"}
@@ -284,25 +301,41 @@ def _reused(name: str, made_by: dict):
     return saved
 
 
-def _queue_order(jobs: dict) -> list[str]:
-    """Jobs in the given order, each 1-GPU job followed by the next 1-GPU job (they run side by side)."""
-    names, order = list(jobs), []
-    for name in names:
-        if name in order:
-            continue
-        order.append(name)
-        if jobs[name][1] == 1:
-            partner = next((m for m in names if m not in order and jobs[m][1] == 1), None)
-            if partner:
-                order.append(partner)
-    return order
+SHARED_WORKER = "tests.gpu.shared_gpu.SharedGPUWorker"
+SHARED_GPU_ENV = "QWEN36_PCP_SHARED_GPU"
+# ranks of all engines running at once on the shared GPU (each rank is a process on GPU 0)
+SHARED_RANKS = int(os.environ.get("QWEN36_PCP_SHARED_RANKS", "12"))
 
 
-def engines(jobs: dict, timeout: float = 480) -> dict:
-    """Run several jobs in order (first in, first started), side by side on disjoint GPUs when free.
+def shared_gpu_mode(max_ranks: int) -> bool:
+    """Every engine on GPU 0 (``shared_gpu``) when the machine has fewer GPUs than the largest layout
+    needs; ``QWEN36_PCP_SHARED_GPU=1``/``0`` forces it on or off."""
+    import torch
 
-    jobs: {name: (spec or callable, number of GPUs)}. A spec runs through ``engine``; a callable is
-    called with the CUDA_VISIBLE_DEVICES string. Returns {name: result, or the exception it raised}.
+    forced = os.environ.get(SHARED_GPU_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return torch.cuda.device_count() < max_ranks
+
+
+def on_shared_gpu(spec: dict) -> dict:
+    """The engine spec with every worker on GPU 0, collectives through host memory, a fixed KV cache
+    (memory profiling cannot tell several processes on one GPU apart)."""
+    import copy
+
+    spec = copy.deepcopy(spec)
+    spec["llm"].update(worker_cls=SHARED_WORKER, distributed_executor_backend="mp",
+                       gpu_memory_utilization=0.2, kv_cache_memory_bytes=4 << 30)
+    return spec
+
+
+def engines(jobs: dict, timeout: float = 480, shared: bool = False) -> dict:
+    """Run several jobs in order (first in, first started), side by side when they fit.
+
+    jobs: {name: (spec or callable, number of ranks)}. A spec runs through ``engine``; a callable is
+    called with the CUDA_VISIBLE_DEVICES string. On GPUs of their own, a job takes as many GPUs as it
+    has ranks; with ``shared`` every job runs on GPU 0 and jobs run together up to ``SHARED_RANKS``
+    ranks. Returns {name: result, or the exception it raised}.
     """
     import threading
 
@@ -310,29 +343,40 @@ def engines(jobs: dict, timeout: float = 480) -> dict:
 
     total = torch.cuda.device_count()
     free = list(range(total))
+    busy = [0]  # ranks running on the shared GPU
     cond = threading.Condition()
     results = {}
-    queue = [name for name in _queue_order(jobs) if jobs[name][1] <= total]
+    queue = [name for name in jobs if shared or jobs[name][1] <= total]
     for name in set(jobs) - set(queue):
         results[name] = AssertionError(f"{name} needs {jobs[name][1]} GPUs, the machine has {total}")
 
+    def fits(n):
+        return (busy[0] == 0 or busy[0] + n <= SHARED_RANKS) if shared else len(free) >= n
+
     def run(name, job, n):
         with cond:
-            cond.wait_for(lambda: queue[0] == name and len(free) >= n)
+            cond.wait_for(lambda: queue[0] == name and fits(n))
             queue.pop(0)
-            gpus = [free.pop(0) for _ in range(n)]
+            gpus = [0] if shared else [free.pop(0) for _ in range(n)]
+            busy[0] += n if shared else 0
             cond.notify_all()
         visible = ",".join(map(str, gpus))
         t0 = time.time()
         try:
-            results[name] = job(visible) if callable(job) else engine(job, timeout, name, visible)
+            if callable(job):
+                results[name] = job(visible)
+            else:
+                results[name] = engine(on_shared_gpu(job) if shared else job, timeout, name, visible)
         except BaseException as e:  # noqa: BLE001 - handed to the test that owns the job
             results[name] = e
         finally:
             print(f"[pool] {name} on GPUs {visible}: {time.time() - t0:.0f} s", flush=True)
             with cond:
-                free.extend(gpus)
-                free.sort()
+                if shared:
+                    busy[0] -= n
+                else:
+                    free.extend(gpus)
+                    free.sort()
                 cond.notify_all()
 
     threads = [threading.Thread(target=run, args=(name, *jobs[name])) for name in queue]
@@ -358,9 +402,18 @@ def outputs(result: dict, runs=None) -> list[dict]:
 
 
 def compare(ref: list[dict], other: list[dict]) -> dict:
-    """vLLM's check_logprobs_close rule, plus the largest |logprob| difference over the shared prefix."""
-    ok, max_diff, diverged = True, 0.0, []
+    """vLLM's check_logprobs_close rule per prompt, plus the largest |logprob difference| over the
+    shared prefix. Not ok as well: a different number of prompts, a prompt whose tokens agree but
+    whose length differs, and any NaN/Inf logprob (``nonfinite`` counts them on either side)."""
+    import math
+
+    if len(ref) != len(other):
+        return {"ok": False, "max_logprob_diff": float("inf"), "diverged_at": [],
+                "nonfinite": 0, "error": f"{len(ref)} prompts vs {len(other)}"}
+    ok, max_diff, diverged, nonfinite = True, 0.0, [], 0
     for i, (a, b) in enumerate(zip(ref, other)):
+        nonfinite += sum(not math.isfinite(lp) for side in (a, b) for step in side["logprobs"]
+                         for lp in step.values())
         for step, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"])):
             la, lb = a["logprobs"][step], b["logprobs"][step]
             if ta != tb:
@@ -369,23 +422,31 @@ def compare(ref: list[dict], other: list[dict]) -> dict:
                     ok = False
                 break
             max_diff = max(max_diff, abs(la[str(ta)] - lb[str(tb)]))
-    return {"ok": ok, "max_logprob_diff": max_diff, "diverged_at": diverged}
+        else:
+            ok &= len(a["token_ids"]) == len(b["token_ids"])
+    return {"ok": ok and nonfinite == 0, "max_logprob_diff": max_diff, "diverged_at": diverged,
+            "nonfinite": nonfinite}
 
 
-def marked_jobs(marks, max_gpus: int | None = None) -> dict:
-    """The engine jobs that ``engine_jobs(builder=fn)`` marks declare (those needing at most
-    ``max_gpus``, if given)."""
+def marked_jobs(marks) -> dict:
+    """The engine jobs that ``engine_jobs(builder=fn)`` marks declare."""
     jobs = {}
     for mark in marks:
         if mark.name == "engine_jobs":
-            jobs.update({k: v for k, v in mark.kwargs["builder"]().items()
-                         if max_gpus is None or v[1] <= max_gpus})
+            jobs.update(mark.kwargs["builder"]())
     return jobs
 
 
-def module_jobs(module, max_gpus: int) -> dict:
-    """The engine jobs of a test module's tests that need at most ``max_gpus``."""
-    return marked_jobs((m for fn in vars(module).values() for m in getattr(fn, "pytestmark", [])), max_gpus)
+def module_jobs(module) -> dict:
+    """The engine jobs of a test module's tests."""
+    return marked_jobs(m for fn in vars(module).values() for m in getattr(fn, "pytestmark", []))
+
+
+def run_jobs(jobs: dict, timeout: float = 480) -> dict:
+    """``engines`` on this machine: on GPUs of their own when it has enough, else on the shared GPU."""
+    shared = shared_gpu_mode(max((n for _, n in jobs.values()), default=1))
+    print(f"[pool] {len(jobs)} jobs, {'all on GPU 0 (shared)' if shared else 'one GPU per rank'}", flush=True)
+    return engines(jobs, timeout, shared=shared)
 
 
 def main(argv):
@@ -397,11 +458,9 @@ def main(argv):
     if argv[0] == "jobs":  # python -m tests.gpu.e2e jobs tests.gpu.test_pcp_e2e [SUFFIX ...]
         import importlib
 
-        import torch
-
-        jobs = module_jobs(importlib.import_module(argv[1]), torch.cuda.device_count())
+        jobs = module_jobs(importlib.import_module(argv[1]))
         jobs = {k: v for k, v in jobs.items() if k.endswith(tuple(argv[2:]) or "")}
-        failed = {k: r for k, r in engines(jobs).items() if isinstance(r, BaseException)}
+        failed = {k: r for k, r in run_jobs(jobs).items() if isinstance(r, BaseException)}
         for name, err in failed.items():
             print(f"[jobs] {name} failed: {str(err)[-2000:]}", flush=True)
         print(f"[jobs] {len(jobs) - len(failed)} of {len(jobs)} saved under {out_dir()}", flush=True)

@@ -1,13 +1,13 @@
-"""Build and autotune on one GPU the Triton kernels that 2-GPU engines add to pcp=1's, so a 2-GPU
-machine that restores the carried Triton cache (``.devcache``, see README.md) starts them warm.
+"""Build and autotune on one GPU the Triton kernels that pcp > 1 and tp = 2 engines add to pcp=1's, so
+a machine that reuses this Triton cache (``~/.triton``) starts those engines warm.
 
 A pcp=2 engine autotunes vLLM's GDN chunk kernels at the augmented value width V + K during its
-profile run (``VllmGDNKernels.warm_scan``, called here on each shape); on a fresh 2-GPU machine
-that made its start ~250 s instead of 39 s. A tp=2 engine runs the plain kernels
+profile run (``VllmGDNKernels.warm_scan``, called here on each shape); on a fresh machine
+that made its start ~250 s instead of 39 s (two ranks). A tp=2 engine runs the plain kernels
 at half the GDN heads. Shapes: the tiny checkpoint (GPU tests) and Qwen3.6-35B-A3B (benchmarks), with
 the race-free kkt configs every engine of the checks uses.
 
-    TRITON_CACHE_AUTOTUNING=1 python -m tests.gpu.warm_pcp_kernels
+    TRITON_CACHE_AUTOTUNING=1 python -m tests.gpu.diagnose warm
 """
 
 from __future__ import annotations
@@ -65,6 +65,3 @@ def main() -> None:
             torch.cuda.synchronize()
             print(f"{preset} {s}: {what} ready in {time.time() - t0:.1f} s", flush=True)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
-"""Are vLLM's GDN prefill kernels deterministic on their own? (diagnostic, 1 GPU, no engine)
+"""Are vLLM's GDN prefill kernels deterministic on their own? (1 GPU, no engine)
 
-    python -m tests.gpu.probe_gdn_kernels [--lengths 2049 4097 16384] [--runs 20] [--shape tiny|35b]
-    python -m tests.gpu.probe_gdn_kernels --sweep-configs --lengths 16384 --runs 10
+    python -m tests.gpu.diagnose kkt-race [--lengths 2049 4097 16384] [--runs 20] [--shape tiny|35b]
+    python -m tests.gpu.diagnose kkt-race --sweep-configs --lengths 16384 --runs 10
 
 Runs each step of vLLM's ``chunk_gated_delta_rule`` (and the whole) ``--runs`` times on fixed random
 inputs, with the memory the caching allocator hands out refilled with garbage between runs, and
@@ -11,9 +11,6 @@ times it (what keeping only the race-free ones costs).
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
 configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.runner_hooks.race_free_gdn_kkt`` keeps those.
 """
-
-import argparse
-import sys
 
 import torch
 
@@ -142,11 +139,9 @@ def main(args) -> int:
     return 0 if bad_total == 0 else 1
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[1000, 2049, 3000, 4097, 16384])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--sweep-configs", action="store_true",
                         help="chunk_scaled_dot_kkt_fwd under each autotune config (longest length)")
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    sys.exit(main(parser.parse_args()))

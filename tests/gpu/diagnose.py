@@ -1,0 +1,82 @@
+"""GPU diagnostics, one entry point (one GPU is enough for each):
+
+    python -m tests.gpu.diagnose dump ENGINE LAYOUT STEP:LO:HI[,...]   # where a layout departs from pcp=1
+    python -m tests.gpu.diagnose kkt-race [--sweep-configs] [--lengths ...] [--runs N] [--shape tiny|35b]
+    python -m tests.gpu.diagnose warm                                  # build and autotune the PCP kernels
+
+``dump``: the first batch of one of ``test_pcp_e2e``'s engines (``defaults`` or ``chunked``) on pcp=1 and
+on LAYOUT (shared GPU), every module's input and output for the listed steps and rows saved
+(``layer_dump``) and lined up: the first module where the layout's rows differ from pcp=1's.
+``kkt-race``: whether vLLM's GDN prefill kernels repeat themselves, and per autotune config of
+``chunk_scaled_dot_kkt_fwd`` (the race ``qwen36_pcp.runner_hooks.race_free_gdn_kkt`` avoids).
+``warm``: the Triton kernels pcp > 1 and tp = 2 engines add to pcp=1's, for a warm Triton cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import e2e
+
+
+def dump(engine: str, layout: str, rows: str) -> dict:
+    from . import layer_dump
+    from . import test_pcp_e2e as t
+
+    tp, pcp, _ = t.LAYOUTS[layout]
+    if tp != 1:
+        raise SystemExit(f"dump compares tp=1 layouts with pcp=1; {layout} has tp={tp}")
+    out = f"/tmp/qwen36_pcp_dump/{engine}_{layout}"  # hundreds of MB: kept off the results folder
+    os.environ[layer_dump.ENV] = f"{out};{rows}"
+    jobs = t.layout_jobs()
+    res = {}
+    for name in ("pcp1", layout):
+        spec, _ = jobs[f"{engine}_{name}"]
+        spec = e2e.on_shared_gpu(spec)
+        spec.pop("actions", None)
+        spec["batches"] = spec["batches"][:1]
+        spec["llm"]["worker_cls"] = "tests.gpu.layer_dump.DumpingWorker"
+        res[name] = e2e.engine(spec, name=f"dump_{engine}_{name}")
+    a, b = e2e.outputs(res["pcp1"]), e2e.outputs(res[layout])
+    report = {"outputs": {**e2e.compare(a, b), "identical": a == b}}
+    for step in sorted(layer_dump._parse(os.environ[layer_dump.ENV])[1]):
+        report[f"step{step}"] = layer_dump.compare(out, step, world_size=pcp)
+    return report
+
+
+def main(argv) -> int:
+    from . import gdn_kernel_race
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump", help="where a layout's activations depart from pcp=1's")
+    d.add_argument("engine", choices=["defaults", "chunked"])
+    d.add_argument("layout")
+    d.add_argument("rows", help="STEP:LO:HI[,STEP:LO:HI...] (steps from 1, rows of the runner's batch)")
+    gdn_kernel_race.add_arguments(sub.add_parser("kkt-race", help="GDN prefill kernels' determinism"))
+    sub.add_parser("warm", help="build and autotune the kernels PCP and tp=2 engines add")
+    args = parser.parse_args(argv)
+    if args.cmd == "warm":
+        from . import warm_kernels
+
+        warm_kernels.main()
+        return 0
+    if args.cmd == "kkt-race":
+        return gdn_kernel_race.main(args)
+    report = dump(args.engine, args.layout, args.rows)
+    e2e.save(f"dump_{args.engine}_{args.layout}", report)
+    print("outputs:", report["outputs"])
+    for key, lines in report.items():
+        if key.startswith("step"):
+            bad = [x for x in lines if x.get("differ", 1)]
+            print(f"{key}: {len(lines)} modules, {len(bad)} differ; first:")
+            for x in bad[:40]:
+                print("  ", json.dumps(x))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
