@@ -1,6 +1,6 @@
 """GDN layer time per rank: relay vs state passing vs island vs one GPU, Qwen3.6-35B-A3B GDN shape, 2 GPUs.
 
-    python benchmarks/bench_gdn_cp.py --out results/   # needs 2 GPUs; prints a table, writes JSON + PNG
+    python benchmarks/bench_gdn_cp.py --out /tmp/bench_gdn_cp   # needs 2 GPUs; prints a table, writes JSON + PNG
 
 Layer time = input projections (in_proj_qkvz, in_proj_ba) + GDN core (conv, gates, scan, and for PCP its
 communication and correction) + out_proj, on the tokens each rank computes. Kernels are vLLM 0.20.2's.
@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from qwen36_pcp.tools.plot import save_figure
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, tests/
+from benchmarks.plot import save_figure  # noqa: E402
 
 HIDDEN = 2048
 TOKENS = (32768, 131072)
@@ -48,7 +51,7 @@ def _worker(rank, group, tokens):
         gdn_state_passing,
     )
     from qwen36_pcp.plan import PCPConfig, PCPPlan
-    from qwen36_pcp.tools.layer_inputs import GDN, gdn_inputs
+    from tests.gpu.layer_inputs import GDN, gdn_inputs
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -104,10 +107,10 @@ def _worker(rank, group, tokens):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/bench_gdn_cp")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = parser.parse_args()
-    from qwen36_pcp.tools.dist import run_distributed
+    from tests.dist import run_distributed
 
     per_rank = run_distributed(_worker, 2, args.tokens, backend="nccl")
     os.makedirs(args.out, exist_ok=True)

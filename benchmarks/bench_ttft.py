@@ -6,7 +6,7 @@ Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no d
 (``--compiled``: vLLM's default torch.compile + CUDA graphs), the whole prompt in one prefill step.
 Needs 2 GPUs (pcp1 alone: 1); prints a table and writes JSON + PNG:
 
-    python benchmarks/bench_ttft.py --out bench_results --tokens 32768 131072
+    python benchmarks/bench_ttft.py --out /tmp/bench_ttft --tokens 32768 131072
 
 Every config runs the same GDN kernel configs: ``--kkt-configs race_free`` (default) keeps vLLM's
 ``chunk_scaled_dot_kkt_fwd`` to its race-free autotune configs in every engine, as PCP does
@@ -23,8 +23,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from qwen36_pcp.tools.plot import save_figure
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, tests/
+from benchmarks.plot import save_figure  # noqa: E402
 
 CONFIGS = {
     "pcp1": dict(tensor_parallel_size=1, prefill_context_parallel_size=1),
@@ -127,7 +129,7 @@ def decode_itl(llm, reps: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/bench_ttft")
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--reps", type=int, default=3)

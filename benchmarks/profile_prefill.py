@@ -7,8 +7,8 @@ other), the time the GPU was busy and the span from its first to its last kernel
 GPU waiting for the host). Communication time on a PCP rank includes waiting for the slower rank.
 Prints a table, writes JSON and a PNG:
 
-    python benchmarks/profile_prefill.py --out prof_results --tokens 131072 --configs pcp1 pcp2_state_passing
-    python benchmarks/profile_prefill.py --out prof_results --report-only   # from the traces already there
+    python benchmarks/profile_prefill.py --out /tmp/profile_prefill --tokens 131072 --configs pcp1 pcp2_state_passing
+    python benchmarks/profile_prefill.py --out /tmp/profile_prefill --report-only   # from the traces already there
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import gzip
 import json
 import os
 import re
+import sys
 import time
+from pathlib import Path
 
-import bench_ttft
-from qwen36_pcp.tools.plot import save_figure
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, tests/
+from benchmarks import bench_ttft  # noqa: E402
+from benchmarks.plot import save_figure  # noqa: E402
 
 # first match wins: FA3's kernels are cutlass templates, so attention comes before GEMM
 KINDS = (
@@ -101,7 +104,7 @@ def child(model: str, config: str, tokens: int, trace_dir: str, path: str, compi
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="prof_results")
+    parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/profile_prefill")
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--configs", nargs="+", default=["pcp1", "pcp2_state_passing", "tp2"],
                         choices=list(bench_ttft.CONFIGS))

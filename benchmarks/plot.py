@@ -1,0 +1,21 @@
+"""One place for the benchmarks' PNG output (matplotlib is optional)."""
+
+from __future__ import annotations
+
+
+def save_figure(path: str, draw) -> None:
+    """``draw(ax)`` fills one axes; the figure goes to ``path``. Without matplotlib, says so and skips."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    draw(ax)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
