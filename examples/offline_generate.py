@@ -1,34 +1,46 @@
-"""Offline generation with Prefill Context Parallel.
+"""Offline generation with prefill context parallel: a long prompt split over N GPUs.
 
-    python -m qwen36_pcp.tools.make_checkpoint /tmp/qwen36-tiny --preset tiny
-    python examples/offline_generate.py /tmp/qwen36-tiny --pcp 2      # needs 2 GPUs
+    python examples/offline_generate.py --pcp 2                  # a tiny random checkpoint, made here
+    python examples/offline_generate.py MODEL_DIR --pcp 2 --prompt-tokens 100000
 
-The plugin is found through vLLM's ``vllm.general_plugins`` entry point: no import needed.
+Without MODEL_DIR it writes the tiny random-weight checkpoint (real Qwen3.6 layout) to
+``--checkpoint-dir`` first. The plugin is found through vLLM's ``vllm.general_plugins`` entry point:
+nothing to import. Needs as many GPUs as ``--pcp`` (Hopper or newer: flash-attention 3).
 """
 
 import argparse
-
-from vllm import LLM, SamplingParams
+from pathlib import Path
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("model", nargs="?", help="checkpoint directory (default: a tiny random one)")
     parser.add_argument("--pcp", type=int, default=2, help="prefill_context_parallel_size")
-    parser.add_argument("--prompt-tokens", type=int, default=20000)
+    parser.add_argument("--prompt-tokens", type=int, default=20000, help="about this many prompt tokens")
+    parser.add_argument("--checkpoint-dir", default="/tmp/qwen36-tiny", help="where the tiny checkpoint goes")
     args = parser.parse_args()
 
+    model = args.model
+    if model is None:
+        from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+
+        if not (Path(args.checkpoint_dir) / "model.safetensors").exists():
+            make_checkpoint(args.checkpoint_dir, preset="tiny", seed=0)
+        model = args.checkpoint_dir
+
+    from vllm import LLM, SamplingParams
+
     llm = LLM(
-        model=args.model,
+        model=model,
         hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
         prefill_context_parallel_size=args.pcp,
-        gdn_prefill_backend="triton",  # FlashInfer's GDN prefill is not needed (nor always installed)
         max_model_len=args.prompt_tokens + 1024,
-        # optional: additional_config={"qwen36_pcp": {"layout": "zigzag", "gdn_mode": "state_passing",
-        #                                             "min_split_tokens": 512}},
+        # options: additional_config={"qwen36_pcp": {"gdn_mode": "relay", "min_split_tokens": 512}}
     )
-    long_doc = "The quick brown fox jumps over the lazy dog. " * (args.prompt_tokens // 10)
-    prompts = [long_doc[: 4 * args.prompt_tokens] + "\nSummary:", "Hello, my name is"]
+    tokenizer = llm.get_tokenizer()
+    sentence = "The quick brown fox jumps over the lazy dog. "
+    repeats = max(1, args.prompt_tokens // len(tokenizer.encode(sentence)))
+    prompts = [sentence * repeats + "\nSummary:", "Hello, my name is"]
     for out in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32)):
         print(f"{len(out.prompt_token_ids)} prompt tokens -> {out.outputs[0].text!r}")
 

@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# Serve a Qwen3.6 checkpoint with prefill context parallel 2 (2 GPUs), then query it:
-#   bash examples/serve.sh /tmp/qwen36-tiny          # in one shell
-#   python examples/client.py                         # in another
+# Serve a Qwen3.6 checkpoint with prefill context parallel over PCP GPUs (default 2):
+#   bash examples/serve.sh /tmp/qwen36-tiny &      # then: python examples/client.py
 set -euo pipefail
-MODEL=${1:?model directory}
+MODEL=${1:?usage: serve.sh MODEL_DIR [PCP]}
 exec vllm serve "$MODEL" \
   --hf-overrides '{"architectures": ["Qwen3_6ForCausalLM"]}' \
-  -pcp 2 \
-  --gdn-prefill-backend triton \
+  -pcp "${2:-2}" \
   --max-model-len 32768 \
   --port "${PORT:-8000}"

@@ -164,7 +164,7 @@ def _exchange_worker(rank, group):
 
 def test_summary_exchange_sends_6_MiB_per_rank_at_35b_shape():
     """pcp=2 zigzag: rank 0 sends block 0's end state (2 MiB) and block 3's summary (4 MiB), rank 1
-    the composed summary of blocks 1-2 (4 MiB, padded to 6): within issue 3's 8 MiB per rank per layer."""
+    the composed summary of blocks 1-2 (4 MiB, padded to 6)."""
     results = run_distributed(_exchange_worker, 2)
     assert [b for b, _ in results] == [6 * 2**20, 6 * 2**20]
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)

@@ -1,8 +1,12 @@
 import pytest
 import torch
 
+_SELECTED = []  # the collected tests (their engine_jobs marks make the pool)
+_POOL = {}
+
 
 def pytest_collection_modifyitems(config, items):
+    _SELECTED[:] = items
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA GPUs (run on a GPU machine: see tests/gpu/README.md)")
@@ -16,14 +20,16 @@ def pytest_configure(config):
                             "every selected test's jobs run in one GPU pool (see engine_pool)")
 
 
-@pytest.fixture(scope="session")
-def engine_pool(request):
+@pytest.fixture
+def engine_pool():
     """Run the jobs of every selected test in one pool, side by side where they fit, once per pytest run.
 
-    A test marked ``engine_jobs(builder=fn)`` declares ``fn() -> {name: (spec or callable, GPUs)}``
+    A test marked ``engine_jobs(builder=fn)`` declares ``fn() -> {name: (spec or callable, ranks)}``
     and reads its results with ``e2e.result(engine_pool, name)``.
     """
     from . import e2e
 
-    marks = (m for item in request.session.items for m in item.iter_markers("engine_jobs"))
-    return e2e.run_jobs(e2e.marked_jobs(marks))
+    if "results" not in _POOL:
+        marks = (m for item in _SELECTED for m in item.iter_markers("engine_jobs"))
+        _POOL["results"] = e2e.run_jobs(e2e.marked_jobs(marks))
+    return _POOL["results"]

@@ -224,8 +224,8 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
     """Run one engine spec in a child process; raises with the log tail if it fails or hangs.
 
     With QWEN36_PCP_REUSE=DIR, a result saved earlier as DIR/<name>.json is used instead when the
-    same spec, code and stack made it (``fingerprint``): to split a long acceptance run over several
-    machine sessions, or to make the 1-GPU baselines on a 1-GPU machine (``jobs`` below).
+    same spec, checkpoint, code and stack made it (``fingerprint``): a long run spread over several
+    runs (``jobs`` below).
     """
     made_by = fingerprint(spec)
     reused = _reused(name, made_by)

@@ -3,7 +3,7 @@
     python -m pytest -q -s tests/gpu/test_pcp_e2e.py     # one GPU is enough
 
 Layouts: pcp=2, pcp=4, pcp=8 and pcp=2 with GDN state passing against pcp=1; tp=2 x pcp=2 against
-tp=2 x pcp=1; tp=2 against pcp=1 is the yardstick (how far bf16 reordering alone moves the answers).
+tp=2 x pcp=1; tp=2 against pcp=1 is reported beside them (how far bf16 reordering alone moves the answers).
 With fewer GPUs than an engine has ranks every engine runs on GPU 0 (``shared_gpu``: collectives
 through host memory, a gather is a copy, so each engine computes what it computes on its own GPUs;
 all-reduce sums are taken on the host, the same for both sides of tp=2 x pcp=2 vs tp=2).
@@ -102,16 +102,16 @@ def layout_jobs():
 
 
 def judge(results: dict) -> dict:
-    """{case: {layout: comparison with its reference, the tp=2 yardstick, bit identity}}."""
+    """{case: {layout: comparison with its reference, tp=2 vs pcp=1 beside it, bit identity}}."""
     report = {}
     for case, (engine, runs) in CASE_RUNS.items():
         outs = {layout: e2e.outputs(results[f"{engine}_{layout}"], runs) for layout in LAYOUTS}
-        yardstick = e2e.compare(outs["pcp1"], outs["tp2"])
+        tp2 = e2e.compare(outs["pcp1"], outs["tp2"])
         report[case] = {}
         for layout, ref in REFERENCE.items():
             c = e2e.compare(outs[ref], outs[layout])
             report[case][layout] = {**c, "reference": ref, "identical": outs[ref] == outs[layout],
-                                    "yardstick_tp2_vs_pcp1": yardstick["max_logprob_diff"]}
+                                    "tp2_vs_pcp1": tp2["max_logprob_diff"]}
     return report
 
 
@@ -131,7 +131,7 @@ def test_every_layout_matches_its_unsplit_counterpart(engine_pool):
         for layout, c in per_layout.items():
             print(f"[{case}] {layout} vs {c['reference']}: ok={c['ok']} max|dlogprob|="
                   f"{c['max_logprob_diff']:.4g} identical={c['identical']} nonfinite={c['nonfinite']} "
-                  f"diverged={c['diverged_at']} | tp2 vs pcp1 {c['yardstick_tp2_vs_pcp1']:.4g}")
+                  f"diverged={c['diverged_at']} | tp2 vs pcp1 {c['tp2_vs_pcp1']:.4g}")
             if not c["ok"]:
                 failed.append(f"{case} {layout}")
     assert not failed, failed
