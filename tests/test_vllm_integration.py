@@ -72,35 +72,29 @@ def _configs(ckpt):
         "kv_connector": dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
         "pooling": dict(runner="pooling", convert="embed"),
     }
-    out["errors"] = {}
-    for name, kw in bad.items():
-        kw = {"hf_overrides": OVERRIDES, "prefill_context_parallel_size": 2, **kw}
+
+    def error_of(**kw):
+        """The message a pcp=2 config with these settings is refused with, or None."""
         try:
-            engine_config(ckpt, **kw)
-            out["errors"][name] = None
+            engine_config(ckpt, **{"hf_overrides": OVERRIDES, "prefill_context_parallel_size": 2, **kw})
         except Exception as e:  # noqa: BLE001 - we want the message
-            out["errors"][name] = f"{type(e).__name__}: {e}"
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    out["errors"] = {name: error_of(**kw) for name, kw in bad.items()}
     # the same options are fine at pcp == 1 (nothing of ours applies)
     engine_config(ckpt, hf_overrides=OVERRIDES, attention_backend="TRITON_ATTN")
     # whole experts (12 MiB here) must fit the GPU: a 16 MiB one is too small, sharded is fine
     import vllm.platforms as platforms
 
     type(platforms._current_platform).get_device_total_memory = classmethod(lambda cls, i=0: 16 * 2**20)
-    try:
-        engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
-        out["errors"]["small_gpu"] = None
-    except Exception as e:  # noqa: BLE001
-        out["errors"]["small_gpu"] = f"{type(e).__name__}: {e}"
+    out["errors"]["small_gpu"] = error_of()
     engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
                   additional_config={"qwen36_pcp": {"moe_experts": "sharded"}})
     # one visible GPU for two ranks: refused with the numbers; a custom worker class places its ranks
     type(platforms._current_platform).get_device_total_memory = classmethod(lambda cls, i=0: 2**40)
     type(platforms._current_platform).device_count = classmethod(lambda cls: 1)
-    try:
-        engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
-        out["errors"]["one_gpu"] = None
-    except Exception as e:  # noqa: BLE001
-        out["errors"]["one_gpu"] = f"{type(e).__name__}: {e}"
+    out["errors"]["one_gpu"] = error_of()
     engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
                   worker_cls="tests.gpu.shared_gpu.SharedGPUWorker")
     engine_config(ckpt, hf_overrides=OVERRIDES, enable_lora=True)  # pcp=1: vLLM's own LoRA
