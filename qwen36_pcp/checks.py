@@ -69,8 +69,11 @@ def per_token_metadata_problems(vllm_config) -> list[str]:
     if vllm_config.lora_config is not None:
         problems.append("LoRA (the per-token adapter mapping covers the whole batch, each PCP rank "
                         "computes a slice of it)")
-    if vllm_config.kv_transfer_config is not None:
-        problems.append("KV connectors / disaggregated prefill (kv_transfer_config)")
+    # KV offloading (kv_offloading_size) becomes a kv_transfer_config only after this check runs
+    if (vllm_config.kv_transfer_config is not None
+            or getattr(vllm_config.cache_config, "kv_offloading_size", None) is not None):
+        problems.append("KV connectors / disaggregated prefill / KV offloading (kv_transfer_config, "
+                        "kv_offloading_size)")
     if vllm_config.parallel_config.enable_eplb:
         problems.append("expert-parallel load balancing (enable_eplb)")
     passes = vllm_config.compilation_config.pass_config
@@ -83,11 +86,12 @@ def per_token_metadata_problems(vllm_config) -> list[str]:
 
 def visible_gpu_problems(vllm_config) -> list[str]:
     """One GPU per rank on this node: fewer visible GPUs than tp x pcp would fail later with a message
-    about device ordinals. Not judged without a visible GPU (vLLM says so itself) or with a custom
-    worker class (it places its ranks itself)."""
+    about device ordinals. Not judged without a visible GPU (vLLM says so itself), with a custom
+    worker class (it places its ranks itself), or with another launcher than vLLM's multiprocessing
+    one (whose ranks per node are ``local_world_size``)."""
     pc = vllm_config.parallel_config
-    if pc.worker_cls != "auto":
-        return []
+    if pc.worker_cls != "auto" or pc.distributed_executor_backend not in (None, "mp"):
+        return []  # Ray and external launchers place ranks on other nodes than this one
     try:
         from vllm.platforms import current_platform
 

@@ -91,10 +91,10 @@ def whole_experts_on_every_pcp_rank(vllm_config):
 
     vLLM 0.20.2 shards each expert's intermediate dimension over TP x PCP and wraps the experts in a
     PCP all-gather and a bf16 reduce-scatter. That is tp=2's MoE arithmetic: it alone moves pcp=2 as
-    far from pcp=1 as tp=2 is (``python -m tests.gpu.probe_moe_sharding``), and it costs two
+    far from pcp=1 as tp=2 is (docs/validation.md), and it costs two
     collectives per MoE layer in every step, decode included. With whole experts each rank runs its
     own tokens through pcp=1's kernel, which gives every token the same bits whatever the batch split
-    (``probe_moe_sharding rows``), and decode needs no MoE collective; the price is the experts'
+    (checked with vLLM's GEMM and fused-MoE kernels), and decode needs no MoE collective; the price is the experts'
     full memory on every GPU (checked at startup). ``moe_experts="sharded"`` keeps vLLM's way.
     """
     global _building_whole_experts
@@ -340,7 +340,7 @@ def race_free_gdn_kkt() -> bool:
     8 warps (up to 10 distinct outputs in 10 runs, entries off by up to 2e-2), and its autotuner may
     pick one of them. That is why vLLM's own answers to a prompt of more than ~2k tokens changed
     from run to run. The configs with BK == 128 cover Qwen3.6's K = 128 in one block and were
-    bitwise repeatable in every sweep (``python -m tests.gpu.probe_gdn_kernels --sweep-configs``);
+    bitwise repeatable in every sweep (``python -m tests.gpu.diagnose kkt-race --sweep-configs``);
     at 32k-128k tokens of the Qwen3.6-35B-A3B shape they cost ~0.1% of TTFT. Idempotent; False when
     this vLLM's kernel has no such config (then nothing changes).
     """

@@ -114,6 +114,8 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "speculative" in out["errors"]["spec_decode"]
     assert "non-hybrid" in out["errors"]["non_hybrid"]
     assert "layuot" in out["errors"]["unknown_option"]
+    assert "quantized KV cache (kv_cache_dtype=fp8" in out["errors"]["fp8_kv"]
+    assert "layout must be one of" in out["errors"]["bad_layout"]
     assert "mirrored" in out["errors"]["bad_moe_experts"]
     assert "'flashinfer'" in out["errors"]["flashinfer_gdn"]
     assert out["gdn_backend"] == "triton" and out["gdn_backend_pcp1"] is None  # pcp=1: vLLM's auto
@@ -281,9 +283,10 @@ def test_per_token_metadata_features_are_named():
     from qwen36_pcp.checks import per_token_metadata_problems
 
     def cfg(**kw):
-        passes = SimpleNamespace(enable_sp=kw.get("sp"), fuse_gemm_comms=None)
+        passes = SimpleNamespace(enable_sp=kw.get("sp"), fuse_gemm_comms=kw.get("gemm_comms"))
         return SimpleNamespace(
             lora_config=kw.get("lora"), kv_transfer_config=None,
+            cache_config=SimpleNamespace(kv_offloading_size=kw.get("offload")),
             parallel_config=SimpleNamespace(enable_eplb=kw.get("eplb", False),
                                             tensor_parallel_size=kw.get("tp", 1)),
             compilation_config=SimpleNamespace(pass_config=passes),
@@ -293,6 +296,21 @@ def test_per_token_metadata_features_are_named():
     assert per_token_metadata_problems(cfg(sp=True)) == []  # sequence parallelism needs tp > 1
     assert "enable_eplb" in per_token_metadata_problems(cfg(eplb=True))[0]
     assert "sequence parallelism" in per_token_metadata_problems(cfg(sp=True, tp=2))[0]
+    assert "sequence parallelism" in per_token_metadata_problems(cfg(gemm_comms=True, tp=2))[0]
+    assert "kv_offloading_size" in per_token_metadata_problems(cfg(offload=4.0))[0]
+    # the fields read above, on vLLM 0.20.2's real config classes
+    import dataclasses
+
+    from vllm.config import CacheConfig, ParallelConfig, VllmConfig
+    from vllm.config.compilation import PassConfig
+
+    def fields(c):
+        return {f.name for f in dataclasses.fields(c)}
+
+    assert {"lora_config", "kv_transfer_config", "cache_config", "compilation_config"} <= fields(VllmConfig)
+    assert "kv_offloading_size" in fields(CacheConfig) and {"enable_sp", "fuse_gemm_comms"} <= fields(PassConfig)
+    assert {"enable_eplb", "worker_cls", "distributed_executor_backend"} <= fields(ParallelConfig)
+    assert isinstance(ParallelConfig.local_world_size, property)
     assert "LoRA" in per_token_metadata_problems(cfg(lora=object()))[0]
 
 

@@ -257,14 +257,16 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
         return result
 
 
-# package files that cannot change an engine's answers (they only build checkpoints or reject configs)
-NOT_IN_FINGERPRINT = ("qwen36_pcp/tools/", "qwen36_pcp/checks.py")
+# package files that cannot change an engine's answers (the checkpoint maker: its output is hashed)
+NOT_IN_FINGERPRINT = ("qwen36_pcp/tools/",)
+# the test-side code that runs inside engines
+ENGINE_SIDE = ("e2e.py", "shared_gpu.py", "layer_dump.py")
 
 
 def fingerprint(spec: dict) -> dict:
-    """What an engine's result depends on: its spec, the checkpoint's bytes, the code of this package
-    that runs in the engine and of this file, the GDN setting and the software and GPU it ran on. A
-    saved result is reused only where all of it matches."""
+    """What an engine's result depends on: its spec, the checkpoint's bytes, this package's code (the
+    checkpoint maker aside) and the test code that runs in engines, the GDN setting, the software and
+    GPU. A saved result is reused only where all of it matches."""
     import hashlib
     import importlib.metadata as md
 
@@ -273,7 +275,8 @@ def fingerprint(spec: dict) -> dict:
     code = hashlib.sha256()
     paths = [p for p in (REPO / "qwen36_pcp").rglob("*.py")
              if not str(p.relative_to(REPO)).startswith(NOT_IN_FINGERPRINT)]
-    for path in sorted([*paths, Path(__file__).resolve()]):
+    here = Path(__file__).resolve().parent
+    for path in sorted([*paths, *(here / name for name in ENGINE_SIDE)]):
         code.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     model = Path(spec.get("llm", {}).get("model", ""))
     ckpt = hashlib.sha256()

@@ -2,8 +2,11 @@
 
 ``replay(fn, world_size, *args)`` runs ``fn(rank, group, *args)`` for every rank and returns the results
 in rank order. Only one rank runs at a time (a rank hands the GPU on when it waits in a collective), so
-the kernels each rank launches are the ones it would launch on its own GPU, with its own shapes, in a
-fixed order; an all-gather is a concatenation of the ranks' tensors, the same bytes NCCL would move.
+each rank launches the kernels of its own shapes, in a fixed order; an all-gather is a concatenation of
+the ranks' tensors, the same bytes NCCL would move. The ranks share one process, so they share Triton's
+autotuning choices (separate GPUs make their own). Every collective checks that all ranks called the
+same one with the same shape and dtype, as NCCL needs, and a rank that never arrives fails the others
+after ``TIMEOUT_S`` instead of hanging them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import threading
 
 import torch
 
+TIMEOUT_S = 600
+
 
 class ReplayGroup:
     """The ``all_gather`` and ``broadcast`` contracts of vLLM's GroupCoordinator for one replayed rank."""
@@ -19,27 +24,33 @@ class ReplayGroup:
     def __init__(self, shared: _Shared, rank: int):
         self._shared, self.rank_in_group, self.world_size = shared, rank, shared.world_size
 
-    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def _exchange(self, op: str, x: torch.Tensor) -> list[torch.Tensor]:
         s = self._shared
-        s.slots[self.rank_in_group] = x.contiguous()
+        s.slots[self.rank_in_group] = (op, tuple(x.shape), x.dtype, x.contiguous())
         s.turn.release()  # let the other ranks run up to the same collective
         try:
             s.barrier.wait()
-            out = torch.cat(s.slots, dim=dim)
-            s.barrier.wait()  # every rank has its copy before the slots are reused
+            calls = {slot[:3] for slot in s.slots}
+            if len(calls) != 1:
+                raise AssertionError(f"ranks called different collectives: {sorted(map(str, calls))}")
+            parts = [slot[3] for slot in s.slots]
+            s.barrier.wait()  # every rank has its parts before the slots are reused
         finally:
             s.turn.acquire()
-        return out
+        return parts
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return torch.cat(self._exchange("all_gather", x), dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return self.all_gather(x[None])[src]
+        return self._exchange(f"broadcast from {src}", x)[src].clone()
 
 
 class _Shared:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.slots: list = [None] * world_size
-        self.barrier = threading.Barrier(world_size)
+        self.barrier = threading.Barrier(world_size, timeout=TIMEOUT_S)
         self.turn = threading.Lock()
 
 
