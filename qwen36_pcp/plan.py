@@ -11,11 +11,12 @@ Token layouts used throughout:
   sharded over the PCP group, all-gathers too and needs equal counts).
 - *gathered*: ``all_gather`` of the local layouts, rank-major (``rank * t_pad + row``).
 
-A request with at least ``min_split_tokens`` new tokens is *split*: its new tokens are cut into blocks
+A request with at least ``PCPConfig.split_threshold`` new tokens (``min_split_tokens``, and never fewer
+than one 64-token GDN chunk per block) is *split*: its new tokens are cut into blocks on whole chunks
 (zigzag: 2N blocks, rank r owns blocks r and 2N-1-r, which balances causal attention work; contiguous:
 N blocks, rank r owns block r). Every other request (decode rows, short prompts) is *replicated*: each
 rank computes it in full, and rank 0's copy is the primary one: its K/V, conv and SSM states and its
-hidden state are the ones kept on every rank, so the ranks' caches never drift apart.
+hidden state are the ones kept on every rank, so a split step leaves the same caches on every rank.
 """
 
 from __future__ import annotations

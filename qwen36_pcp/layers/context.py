@@ -42,7 +42,7 @@ class PCPContext:
 
     def broadcast_primary(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank: what every rank computed for the replicated requests is kept
-        from the primary copy only, so the ranks' caches cannot drift apart bit by bit."""
+        from the primary copy only, so a split step cannot leave the ranks' caches apart bit by bit."""
         x = x.contiguous()
         if self.rank == 0:
             self.bytes_sent += x.numel() * x.element_size()
