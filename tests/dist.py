@@ -8,6 +8,7 @@ communicator needs the whole engine's distributed setup).
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -45,6 +46,12 @@ class TorchDistGroup:
         return x
 
 
+def _by_value(result) -> bytes:
+    """The result pickled with its tensors' data: through torch's queue a tensor travels as a handle to
+    the child's shared memory, which is gone once the child has exited before the parent reads it."""
+    return pickle.dumps(result)
+
+
 def _worker(rank, world_size, port, fn, args, queue, backend):
     try:
         import torch
@@ -70,7 +77,7 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
                 group_name=f"pcp_test_{world_size}",
             )
         result = fn(rank, group, *args)
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", _by_value(result)))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # report, never hang the parent
@@ -108,7 +115,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend:
             rank, status, payload = queue.get(timeout=timeout)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -119,7 +126,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend:
 
 def _isolated(fn, args, queue):
     try:
-        queue.put(("ok", fn(*args)))
+        queue.put(("ok", _by_value(fn(*args))))
     except BaseException:
         queue.put(("error", traceback.format_exc()))
 
@@ -138,4 +145,4 @@ def run_isolated(fn, *args, timeout: float = 600.0):
             proc.kill()
     if status == "error":
         raise AssertionError(f"isolated run failed:\n{payload}")
-    return payload
+    return pickle.loads(payload)
