@@ -269,9 +269,13 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
         ssm_state[state_idx.index_select(0, idx["split_reqs"])] = x_end.to(ssm_state.dtype)
     rep_slots = idx["replicated_slots"]
     if rep_slots.numel():
-        rep_final = final.index_select(0, rep_slots)[:, :, :V, :]
-        ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = ctx.broadcast_primary(
-            rep_final).to(ssm_state.dtype)
+        _keep_primary_states(ctx, ssm_state, state_idx, idx["replicated_reqs"],
+                             final.index_select(0, rep_slots)[:, :, :V, :])
+
+
+def _keep_primary_states(ctx: PCPContext, ssm_state, state_idx, reqs, final):
+    """Write the replicated requests' final SSM states as rank 0 computed them, on every rank."""
+    ssm_state[state_idx.index_select(0, reqs)] = ctx.broadcast_primary(final).to(ssm_state.dtype)
 
 
 def _compose(s, nxt, V):
@@ -368,8 +372,7 @@ def gdn_relay(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, w: GDNWe
         init = start_states(idx["replicated_reqs"], idx["replicated_from_cache"])
         final, pending = kernels.chunk_states(prep, 0, rows, init, cu, cu_cpu, cache)
         core_attn_out[:rows] = kernels.chunk_outputs(prep, 0, rows, pending, cu, cu_cpu, cache)
-        ssm_state[state_idx.index_select(0, idx["replicated_reqs"])] = ctx.broadcast_primary(final).to(
-            ssm_state.dtype)
+        _keep_primary_states(ctx, ssm_state, state_idx, idx["replicated_reqs"], final)
     if not len(plan.split_reqs):
         return
     x = start_states(idx["split_reqs"], idx["split_from_cache"])

@@ -13,7 +13,7 @@ from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.layers.gdn_cp import VllmGDNKernels
 from qwen36_pcp.layers.split_attention import attend_local_flash, gather_kv_for_cache
 from qwen36_pcp.plan import PCPPlan
-from tests.gdn_sweep import case_name, compare, full_core, rank_modes, sweep_batches, sweep_configs
+from tests.gdn_sweep import case_name, compare, errors, full_core, rank_modes, sweep_batches, sweep_configs
 
 from .layer_inputs import ATTN, GDN, gdn_inputs
 
@@ -42,8 +42,7 @@ def _layout(num_computed, num_new, bs, device):
 
 
 def max_abs(got, ref) -> float:
-    d = (got.float() - ref.float()).abs()
-    return float("inf") if not torch.isfinite(got.float()).all() else d.max().item()
+    return errors(got, ref)["max_abs"]  # inf where got has NaN/Inf
 
 
 def attention_case(rank, group, layout="zigzag"):
