@@ -1,0 +1,252 @@
+"""Time to first token at pcp=N on H200s, predicted from one-GPU profiles and the plan's collectives.
+
+    python benchmarks/predict_ttft.py                     # tables, a PNG, and the validation error
+    python benchmarks/predict_ttft.py --profile --out DIR # remake the pcp=1 profiles on a GPU (profile_prefill.py)
+
+The model of one prefill step of T new tokens (Qwen3.6-35B-A3B shape, eager, bf16):
+
+- **GPU time by kernel kind**, from vLLM's torch profiler on one H200 at pcp=1, 32k and 128k tokens
+  (``profile_prefill_pcp1_h200_2026-12-01``). Attention is fitted as a T + b T^2 (causal), every other
+  kind as a T + c. A PCP rank runs attention for T/N queries against all keys: zigzag blocks give each
+  rank 1/N of the causal work; GEMMs, MoE with whole experts and the rest run on T/N rows. Sharded
+  experts: 1/N of the MoE work on all T rows. tp=2: every kind halves except "other" (norms, residual
+  adds and routing run on every row of every TP rank).
+- **GDN** at pcp=2 from the layer measurements: state passing on 2 x H200 (2026-11-29) and the relay
+  relative to state passing with each rank's kernels on one H200 (2026-12-01). Other N: the relay's
+  state recurrence is serial over the whole prompt (fla's ``chunk_..._fwd_kernel_h``, 19% of GDN time at
+  pcp=1 at both lengths), the rest divides by N; state passing divides by N from its pcp=2 time.
+  These two are modelled, not measured, beyond N = 2.
+- **Collectives**, bytes from the plan and the model: per attention layer the new K/V all-gather; per
+  GDN layer the conv-halo all-gather and, relay, 2N-1 serial end-state hand-offs (fp32 [heads, K, V]) or,
+  state passing, one all-gather of the [V+K, K] fp32 summaries; with sharded experts an all-gather and
+  a reduce-scatter of the hidden rows per MoE layer; at tp=2 two all-reduces per layer; the final
+  all-gather of the hidden rows. Time = latency + bytes moved per GPU / bandwidth (constants below).
+- **Host time per step**: TTFT - GPU busy time at pcp=1 (measured), fitted as a T + c, the same at pcp=N.
+
+It validates against the TTFT measured on 2 x H200 on 2026-11-29 (pcp=1; pcp=2 with state passing and
+sharded experts; tp=2) and prints each error. A chunked prefill with a token budget B runs ceil(T/B)
+steps; step i attends B queries to i*B + B keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the repo: benchmarks/
+from benchmarks.plot import save_figure  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+PROFILES = RESULTS / "profile_prefill_pcp1_h200_2026-12-01"
+GDN_2X = RESULTS / "gdn_layer_2xh200_2026-11-29" / "bench_gdn_cp.json"
+GDN_RELAY = RESULTS / "gdn_relay_1xh200_2026-12-01" / "gdn_relay.json"
+TTFT_2X = RESULTS / "ttft_2xh200_2026-11-29" / "bench_ttft.json"
+
+# NVLink 4 on H200 SXM: 900 GB/s per GPU, both directions together (NVIDIA H200 datasheet), so 450 GB/s
+# each way; NCCL reaches about 80% of it on large messages (assumed). Latency per collective: assumed
+# 20 us (NCCL's small-message all-gather on NVLink is of that order).
+NVLINK_BYTES_PER_S = 0.8 * 450e9
+COLLECTIVE_LATENCY_S = 20e-6
+
+# Qwen3.6-35B-A3B
+LAYERS, ATTN_LAYERS, GDN_LAYERS, MOE_LAYERS = 40, 10, 30, 40
+HIDDEN, KV_HEADS, HEAD_DIM = 2048, 2, 256
+GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_DIM, CONV_KERNEL = 16, 32, 128, 4
+BF16, FP32 = 2, 4
+RELAY_SERIAL_SHARE = 0.19  # chunk_gated_delta_rule_fwd_kernel_h / all GDN kernels, pcp=1 (both lengths)
+
+LENGTHS = (32768, 131072, 1048576)
+BUDGETS = {"one step": None, "budget 8192 (vllm serve)": 8192, "budget 16384 (LLM)": 16384}
+CONFIGS = {  # name: (pcp, tp, gdn mode, experts)
+    "pcp1": (1, 1, None, None), "tp2": (1, 2, None, None),
+    "pcp2": (2, 1, "relay", "whole"), "pcp2_state_passing": (2, 1, "state_passing", "whole"),
+    "pcp2_sp_sharded": (2, 1, "state_passing", "sharded"),
+    "pcp4": (4, 1, "relay", "whole"), "pcp4_state_passing": (4, 1, "state_passing", "whole"),
+    "pcp8": (8, 1, "relay", "whole"), "pcp8_state_passing": (8, 1, "state_passing", "whole"),
+}
+VALIDATION = {"pcp1": "pcp1", "pcp2_sp_sharded": "pcp2_state_passing", "tp2": "tp2"}  # model: measured
+TARGETS = {("pcp2", 32768): 1.7, ("pcp2", 131072): 1.85, ("pcp4", 131072): 3.4}
+
+
+def load(path: Path):
+    return json.loads(path.read_text())
+
+
+class StepModel:
+    """Per-kind GPU time fits at pcp=1 and the measured GDN ratios; ``step(T, keys0, config)`` in s."""
+
+    def __init__(self):
+        prof = {n: load(PROFILES / d / "profile_prefill.json")["pcp1/rank0"] for n, d in
+                ((32768, "32k"), (131072, "128k"))}
+        ttft = load(TTFT_2X)
+        (t1, p1), (t2, p2) = sorted(prof.items())
+        self.kinds = {}
+        for kind in ("attention", "gdn", "moe", "gemm", "other"):
+            y1, y2 = p1["kinds_ms"][kind] / 1e3, p2["kinds_ms"][kind] / 1e3
+            if kind == "attention":  # a T + b T^2 through both points
+                b = (y2 / t2 - y1 / t1) / (t2 - t1)
+                self.kinds[kind] = (y1 / t1 - b * t1, b, 0.0)
+            else:  # a T + c
+                a = (y2 - y1) / (t2 - t1)
+                self.kinds[kind] = (a, 0.0, y1 - a * t1)
+        host = {t: ttft["pcp1"][str(t)] - p["busy_ms"] / 1e3 for t, p in prof.items()}
+        a = (host[t2] - host[t1]) / (t2 - t1)
+        self.host = (a, host[t1] - a * t1)
+        # GDN at pcp=2 relative to pcp=1, per length: state passing (2 x H200), relay (x its ratio to
+        # state passing with each rank's kernels on one H200)
+        sp = {r["tokens"]: r["pcp2_state_passing_ms"] / r["one_gpu_ms"] for r in load(GDN_2X)}
+        relay = {r["tokens"]: r["relay_ms"] / r["state_passing_ms"] for r in load(GDN_RELAY)}
+        self.gdn2 = {"state_passing": sp, "relay": {t: sp[t] * relay[t] for t in sp}}
+
+    def kind_s(self, kind: str, rows: float, causal_pairs: float | None = None) -> float:
+        """pcp=1 GPU time of one kind for ``rows`` query rows; attention by its causal (query, key)
+        pairs (rows^2/2 for a fresh prompt)."""
+        a, b, c = self.kinds[kind]
+        if kind == "attention":
+            return a * rows + b * 2 * (causal_pairs if causal_pairs is not None else rows * rows / 2)
+        return a * rows + c
+
+    def gdn_ratio(self, mode: str, n: int, tokens: int) -> float:
+        """GDN time at pcp=n / pcp=1 for one step of ``tokens`` tokens."""
+        pts = self.gdn2[mode]
+        t1, t2 = sorted(pts)
+        x = min(max(math.log(tokens), math.log(t1)), math.log(t2))  # interpolate in log T, clamp
+        r2 = pts[t1] + (pts[t2] - pts[t1]) * (x - math.log(t1)) / (math.log(t2) - math.log(t1))
+        if mode == "state_passing":
+            return r2 * 2 / n
+        parallel = 2 * (r2 - RELAY_SERIAL_SHARE)  # r2 = parallel / 2 + serial share
+        return parallel / n + RELAY_SERIAL_SHARE
+
+    def collectives(self, cfg, q: int, keys: int) -> list[tuple[str, int, float]]:
+        """(name, count, bytes each GPU moves per call) of one step with q new tokens, ``keys`` in all."""
+        n, tp, mode, experts = cfg
+        out = []
+        if tp > 1:
+            out.append(("tp all-reduce", 2 * LAYERS, 2 * (tp - 1) / tp * q * HIDDEN * BF16))
+        if n == 1:
+            return out
+        share = (n - 1) / n
+        out.append(("attention K/V all-gather", ATTN_LAYERS, share * q * 2 * KV_HEADS / tp * HEAD_DIM * BF16))
+        conv_dim = (2 * GDN_K_HEADS + GDN_V_HEADS) * GDN_HEAD_DIM // tp
+        out.append(("GDN conv halo all-gather", GDN_LAYERS, n * (CONV_KERNEL - 1) * conv_dim * BF16))
+        state = GDN_V_HEADS // tp * GDN_HEAD_DIM * GDN_HEAD_DIM * FP32
+        if mode == "relay":
+            out.append(("GDN relay hand-off (serial)", GDN_LAYERS * (2 * n - 1), state))
+        else:
+            summary = GDN_V_HEADS // tp * (GDN_HEAD_DIM + GDN_HEAD_DIM) * GDN_HEAD_DIM * FP32
+            out.append(("GDN state-passing summaries", GDN_LAYERS, share * n * summary))
+        if experts == "sharded":
+            out.append(("MoE all-gather + reduce-scatter", 2 * MOE_LAYERS, share * q * HIDDEN * BF16))
+        out.append(("final hidden-row all-gather", 1, share * q * HIDDEN * BF16))
+        return out
+
+    def step(self, cfg, q: int, cached: int) -> dict:
+        """Seconds of one step: q new tokens after ``cached`` tokens of the same request."""
+        n, tp, mode, experts = cfg
+        pairs = q * cached + q * q / 2
+        gpu = {"attention": self.kind_s("attention", q, pairs) / n,
+               "gemm": self.kind_s("gemm", q / n), "other": self.kind_s("other", q / n)}
+        gpu["moe"] = self.kind_s("moe", q) / n if experts == "sharded" else self.kind_s("moe", q / n)
+        gpu["gdn"] = self.kind_s("gdn", q) * (self.gdn_ratio(mode, n, q) if n > 1 else 1.0)
+        if tp > 1:
+            gpu = {k: v / tp if k != "other" else v for k, v in gpu.items()}
+        comm = sum(c * (COLLECTIVE_LATENCY_S + b / NVLINK_BYTES_PER_S) for _, c, b in
+                   self.collectives(cfg, q, cached + q))
+        a, c = self.host
+        host = a * q + c
+        return {**gpu, "communication": comm, "host": host, "total": sum(gpu.values()) + comm + host}
+
+    def ttft(self, cfg, tokens: int, budget: int | None = None) -> float:
+        budget = budget or tokens
+        total, done = 0.0, 0
+        while done < tokens:
+            q = min(budget, tokens - done)
+            total += self.step(cfg, q, done)["total"]
+            done += q
+        return total
+
+
+def validate(model: StepModel) -> float:
+    measured = load(TTFT_2X)
+    worst = 0.0
+    print("validation against 2 x H200 (2026-11-29), one step, eager")
+    print(f"{'config':>22} {'tokens':>7} {'measured s':>11} {'predicted s':>12} {'error':>7}")
+    for name, key in VALIDATION.items():
+        for t, m in sorted(measured[key].items(), key=lambda kv: int(kv[0])):
+            p = model.ttft(CONFIGS[name], int(t))
+            err = (p - m) / m
+            worst = max(worst, abs(err))
+            print(f"{name:>22} {t:>7} {m:>11.3f} {p:>12.3f} {err:>+7.1%}")
+    return worst
+
+
+def tables(model: StepModel) -> dict:
+    rows = {}
+    for label, budget in BUDGETS.items():
+        print(f"\npredicted TTFT (s), {label}; (x) = speedup over pcp1")
+        print(f"{'config':>20} " + " ".join(f"{t // 1024:>12}k" for t in LENGTHS))
+        base = {t: model.ttft(CONFIGS["pcp1"], t, budget) for t in LENGTHS}
+        for name, cfg in CONFIGS.items():
+            vals = {t: model.ttft(cfg, t, budget) for t in LENGTHS}
+            rows[(label, name)] = vals
+            print(f"{name:>20} " + " ".join(f"{vals[t]:>7.2f} ({base[t] / vals[t]:.2f}x)" for t in LENGTHS))
+    print("\ntargets (one step):")
+    for (name, t), target in TARGETS.items():
+        speedup = rows[("one step", "pcp1")][t] / rows[("one step", name)][t]
+        print(f"  {name} at {t // 1024}k: predicted {speedup:.2f}x, target {target}x")
+    return rows
+
+
+def breakdown(model: StepModel, tokens: int = 131072) -> None:
+    print(f"\none step of {tokens // 1024}k tokens, per rank (ms):")
+    kinds = ("attention", "gdn", "moe", "gemm", "other", "communication", "host", "total")
+    print(f"{'config':>20} " + " ".join(f"{k[:9]:>9}" for k in kinds))
+    for name in ("pcp1", "tp2", "pcp2", "pcp2_state_passing", "pcp2_sp_sharded", "pcp4", "pcp8"):
+        s = model.step(CONFIGS[name], tokens, 0)
+        print(f"{name:>20} " + " ".join(f"{s[k] * 1e3:>9.1f}" for k in kinds))
+
+
+def plot(model: StepModel, path: str) -> None:
+    lengths = [2 ** k for k in range(13, 21)]
+
+    def draw(ax):
+        for name in ("tp2", "pcp2", "pcp2_state_passing", "pcp4", "pcp8"):
+            ax.plot(lengths, [model.ttft(CONFIGS["pcp1"], t) / model.ttft(CONFIGS[name], t) for t in lengths],
+                    marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens (one step)")
+        ax.set_ylabel("predicted TTFT speedup over pcp=1")
+        ax.set_title("Qwen3.6-35B-A3B shape, H200 + NVLink (model)")
+        ax.grid(alpha=0.3)
+    save_figure(path, draw)
+
+
+def main():
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/predict_ttft")
+    parser.add_argument("--profile", action="store_true",
+                        help="remake the pcp=1 profiles at 32k and 128k on this machine's GPU into --out")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        for tokens, name in ((32768, "32k"), (131072, "128k")):
+            subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_prefill.py"), "--out",
+                            str(out / name), "--tokens", str(tokens), "--configs", "pcp1"], check=True)
+        print(f"profiles in {out}; copy them to {PROFILES} to use them")
+        return
+    model = StepModel()
+    worst = validate(model)
+    tables(model)
+    breakdown(model)
+    plot(model, str(out / "predict_ttft.png"))
+    print(f"\nmax validation error: {worst:.1%}")
+
+
+if __name__ == "__main__":
+    main()
