@@ -192,6 +192,15 @@ def serve(args: list[str], requests, timeout: float = 400, name: str = "serve",
                 _kill_group(proc, dump=True)
 
 
+def shared_serve_args(gpus: str, ranks: int) -> list[str]:
+    """``vllm serve`` arguments that put a server's ranks on GPU 0 when the pool gave it fewer GPUs
+    than ranks (``on_shared_gpu`` for a server)."""
+    if len(gpus.split(",")) >= ranks:
+        return []
+    return ["--worker-cls", SHARED_WORKER, "--distributed-executor-backend", "mp", "--gpu-memory-utilization",
+            str(SHARED_UTILIZATION), "--kv-cache-memory-bytes", str(SHARED_KV_BYTES)]
+
+
 def post(url: str, body: dict, timeout: float = 300) -> dict:
     import urllib.request
 
@@ -305,6 +314,7 @@ def _reused(name: str, made_by: dict):
 
 
 SHARED_WORKER = "tests.gpu.shared_gpu.SharedGPUWorker"
+SHARED_UTILIZATION, SHARED_KV_BYTES = 0.2, 4 << 30  # per engine on the shared GPU
 SHARED_GPU_ENV = "QWEN36_PCP_SHARED_GPU"
 # ranks of all engines running at once on the shared GPU (each rank is a process on GPU 0)
 SHARED_RANKS = int(os.environ.get("QWEN36_PCP_SHARED_RANKS", "12"))
@@ -328,7 +338,7 @@ def on_shared_gpu(spec: dict) -> dict:
 
     spec = copy.deepcopy(spec)
     spec["llm"].update(worker_cls=SHARED_WORKER, distributed_executor_backend="mp",
-                       gpu_memory_utilization=0.2, kv_cache_memory_bytes=4 << 30)
+                       gpu_memory_utilization=SHARED_UTILIZATION, kv_cache_memory_bytes=SHARED_KV_BYTES)
     return spec
 
 

@@ -179,13 +179,9 @@ def _serve_pcp2(gpus, extra_args=(), name="serve_pcp2"):
         e2e.save(name, summary)
         return summary
 
-    shared = []
-    if len(gpus.split(",")) < 2:  # the pool put it on one GPU
-        shared = ["--worker-cls", e2e.SHARED_WORKER, "--distributed-executor-backend", "mp",
-                  "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(4 << 30)]
     return e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
-                      "-pcp", "2", "--max-model-len", str(SERVE_MAX_MODEL_LEN), *shared, *extra_args], requests,
-                     name=name, gpus=gpus)
+                      "-pcp", "2", "--max-model-len", str(SERVE_MAX_MODEL_LEN),
+                      *e2e.shared_serve_args(gpus, 2), *extra_args], requests, name=name, gpus=gpus)
 
 
 @pytest.mark.engine_jobs(builder=lambda: {"serve_pcp2": (_serve_pcp2, 2)})

@@ -1,0 +1,171 @@
+"""`vllm serve -pcp 2` with vLLM's defaults (torch.compile, CUDA graphs, chunked prefill) under load and faults.
+
+    python -m pytest -q -s tests/gpu/test_serve_faults.py      # one GPU is enough (shared-GPU worker)
+
+One server and one offline engine with the same settings, tiny checkpoint, greedy:
+- 64 concurrent streaming completions of 100 to 100000 tokens all finish, none empty, each within vLLM's
+  check_logprobs_close rule of the offline answer to the same prompt (the server batches them
+  differently, so bit identity is not expected);
+- clients that hang up mid-prefill (a 100000-token prompt) and mid-decode: their requests are freed
+  (``/metrics`` after the next request: nothing running or waiting, KV-cache usage back to where it
+  was) and that next request gets the offline answer;
+- a prompt longer than max_model_len gets vLLM's 400 and nothing else changes; ``/health`` and
+  ``/metrics`` answer; every wait is bounded, and the server stops within e2e.serve's timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from . import e2e
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+MAX_MODEL_LEN = 131072
+MAX_TOKENS = 16
+LONG = 100000
+LENGTHS = [LONG if i % 16 == 5 else 100 + (i * 977) % 8000 for i in range(64)]  # four of 100000
+AFTER_FAULTS = 7  # the prompt asked again after the disconnects
+
+
+def _prompts() -> list[list[int]]:
+    ckpt = e2e.checkpoint("tiny")
+    return e2e.prompt_ids(LENGTHS, e2e.vocab_size(ckpt), seed=11)
+
+
+def _fault_prompts() -> dict[str, list[int]]:
+    vocab = e2e.vocab_size(e2e.checkpoint("tiny"))
+    prefill, decode, too_long = e2e.prompt_ids((LONG, 500, MAX_MODEL_LEN + 10), vocab, seed=12)
+    return {"prefill": prefill, "decode": decode, "too_long": too_long}
+
+
+def _offline_spec() -> dict:
+    """The offline engine: the server's settings (everything else at vLLM's defaults)."""
+    ckpt = e2e.checkpoint("tiny")
+    llm = dict(model=ckpt, hf_overrides=e2e.OVERRIDES, prefill_context_parallel_size=2,
+               max_model_len=MAX_MODEL_LEN, seed=0, gdn_prefill_backend="triton")
+    return {"llm": llm, "batches": [_prompts()], "max_tokens": MAX_TOKENS, "logprobs": 5}
+
+
+def _stream(url: str, body: dict, hang_up_after: int | None = None, timeout: float = 300) -> dict:
+    """One streaming completion; with ``hang_up_after`` the client closes the connection after that
+    many events (0: right after sending). Returns the e2e output form (token ids, top-5 logprobs)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    if hang_up_after == 0:
+        time.sleep(0.5)  # the request reached the engine; its prefill is under way
+        conn.close()
+        return {}
+    resp = conn.getresponse()
+    assert resp.status == 200, (resp.status, resp.read()[:500])
+    ids, lps, events = [], [], 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        choice = json.loads(line[6:])["choices"][0]
+        logprobs = choice.get("logprobs") or {}
+        for tok, top in zip(logprobs.get("tokens", []), logprobs.get("top_logprobs", [])):
+            ids.append(int(tok.removeprefix("token_id:")))
+            lps.append({k.removeprefix("token_id:"): v for k, v in top.items()})
+        events += 1
+        if hang_up_after is not None and events >= hang_up_after:
+            conn.close()
+            return {"token_ids": ids}
+    conn.close()
+    return {"token_ids": ids, "logprobs": lps}
+
+
+def _metrics(url: str) -> dict:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _settled(url: str, baseline: float, timeout: float = 60) -> dict:
+    """Wait until nothing runs or waits and KV-cache usage is back at ``baseline``."""
+    deadline = time.time() + timeout
+    while True:
+        m = _metrics(url)
+        if (m.get("vllm:num_requests_running", 1) == 0 and m.get("vllm:num_requests_waiting", 1) == 0
+                and m.get("vllm:kv_cache_usage_perc", 1) <= baseline + 1e-6):
+            return m
+        if time.time() > deadline:
+            return {**m, "timed_out": True}
+        time.sleep(1)
+
+
+def _serve(gpus: str):
+    import concurrent.futures as cf
+
+    ckpt = e2e.checkpoint("tiny")
+    prompts, faults = _prompts(), _fault_prompts()
+
+    def body(prompt, **kw):
+        return {"model": ckpt, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True, **kw}
+
+    def requests(url):
+        baseline = _metrics(url).get("vllm:kv_cache_usage_perc", 0.0)
+        with cf.ThreadPoolExecutor(64) as pool:
+            outs = list(pool.map(lambda p: _stream(url, body(p)), prompts))
+        after_load = _settled(url, baseline)
+        _stream(url, body(faults["prefill"]), hang_up_after=0)
+        _stream(url, body(faults["decode"], max_tokens=2000), hang_up_after=3)
+        time.sleep(2)
+        # the engine core reports its scheduler's state with a step's outputs: the next request's
+        # last step says whether the abandoned requests were freed
+        again = _stream(url, body(prompts[AFTER_FAULTS]))
+        after_hangups = _settled(url, baseline)
+        try:
+            e2e.post(f"{url}/v1/completions", body(faults["too_long"]), timeout=60)
+            too_long = 200
+        except urllib.error.HTTPError as err:
+            too_long = err.code
+        health = urllib.request.urlopen(f"{url}/health", timeout=10).status
+        summary = {"outputs": outs, "again": again, "after_load": after_load,
+                   "after_hangups": after_hangups, "too_long_status": too_long, "health": health,
+                   "after_too_long": _settled(url, baseline), "baseline_kv_usage": baseline}
+        e2e.save("serve_faults_pcp2", summary)
+        return summary
+
+    return e2e.serve([ckpt, "--hf-overrides", json.dumps(e2e.OVERRIDES), "-pcp", "2",
+                      "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+                      "--gdn-prefill-backend", "triton", *e2e.shared_serve_args(gpus, 2)],
+                     requests, name="serve_faults_pcp2", gpus=gpus, timeout=600)
+
+
+def _jobs():
+    return {"serve_faults_pcp2": (_serve, 2), "serve_faults_offline_pcp2": (_offline_spec(), 2)}
+
+
+@pytest.mark.engine_jobs(builder=_jobs)
+def test_server_under_load_and_faults(engine_pool):
+    served = e2e.result(engine_pool, "serve_faults_pcp2")
+    offline = e2e.outputs(e2e.result(engine_pool, "serve_faults_offline_pcp2"))
+    outs = served["outputs"]
+    assert len(outs) == 64 and all(len(o["token_ids"]) == MAX_TOKENS for o in outs), \
+        [len(o["token_ids"]) for o in outs]
+    c = e2e.compare(offline, outs)
+    print(f"[serve faults] 64 streams vs offline: ok={c['ok']} max|dlogprob|={c['max_logprob_diff']:.4g} "
+          f"diverged={c['diverged_at']} nonfinite={c['nonfinite']}")
+    assert c["ok"], c
+    again = e2e.compare([offline[AFTER_FAULTS]], [served["again"]])
+    assert again["ok"], again
+    for when in ("after_load", "after_hangups", "after_too_long"):
+        assert not served[when].get("timed_out"), (when, served[when], served["baseline_kv_usage"])
+    assert served["too_long_status"] == 400, served["too_long_status"]
+    assert served["health"] == 200
