@@ -191,3 +191,29 @@ def test_serve_64_concurrent(engine_pool):
     summary = e2e.result(engine_pool, "serve_pcp2")
     assert summary["returned"] == 64 and summary["empty"] == 0, summary
     assert summary["chat"]["usage"]["completion_tokens"] > 0, summary["chat"]
+
+
+COMPILED_LAYOUTS = ("pcp1", "pcp2")
+
+
+def compiled_jobs():
+    """The defaults engine's batches with vLLM's compile defaults (torch.compile, CUDA graphs): split
+    steps run the compiled graph without CUDA graphs, unsplit steps (decode) replay the graphs."""
+    spec = _engine_specs()["defaults"]
+    llm = {k: v for k, v in spec["llm"].items() if k != "enforce_eager"}
+    jobs = {}
+    for layout in COMPILED_LAYOUTS:
+        kw, ranks = _parallel(layout)
+        jobs[f"compiled_{layout}"] = ({"llm": {**llm, **kw}, "engine_core_in_process": True,
+                                      "batches": spec["batches"]}, ranks)
+    return jobs
+
+
+@pytest.mark.engine_jobs(builder=compiled_jobs)
+def test_compiled_pcp2_matches_compiled_pcp1(engine_pool):
+    ref, pcp2 = (e2e.outputs(e2e.result(engine_pool, f"compiled_{layout}")) for layout in COMPILED_LAYOUTS)
+    c = e2e.compare(ref, pcp2)
+    e2e.save("pcp_e2e_compiled", {**c, "identical": ref == pcp2})
+    print(f"[compiled] pcp2 vs pcp1: ok={c['ok']} max|dlogprob|={c['max_logprob_diff']:.4g} "
+          f"identical={ref == pcp2} nonfinite={c['nonfinite']} diverged={c['diverged_at']}")
+    assert c["ok"], c
