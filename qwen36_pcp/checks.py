@@ -5,9 +5,14 @@ with one message that names every problem (``validate_pcp_config``, run from the
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 
 from .config import ARCHITECTURE, pcp_config_of, uses_pcp
+
+logger = logging.getLogger("vllm.qwen36_pcp")  # under vLLM's logger, so that it shows in the engine's log
 
 
 def validate_pcp_config(vllm_config) -> None:
@@ -28,6 +33,11 @@ def validate_pcp_config(vllm_config) -> None:
         problems.append("data parallel together with PCP")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding (MTP / draft models) together with PCP")
+    if ray_executor_without_pcp_ranks(vllm_config):
+        problems.append(
+            "vLLM's default Ray executor (it sends each step to pp x tp workers only, so PCP ranks 1 and up "
+            "would never run one): set VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1 or use the multiprocessing backend"
+        )
     backend = getattr(vllm_config.attention_config, "backend", None)
     if backend is not None and getattr(backend, "name", str(backend)) != "FLASH_ATTN":
         problems.append(f"attention backend {getattr(backend, 'name', backend)} (PCP needs FLASH_ATTN)")
@@ -58,6 +68,15 @@ def validate_pcp_config(vllm_config) -> None:
             f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
             f"{ARCHITECTURE} does not support: " + "; ".join(problems) + "."
         )
+
+
+def ray_executor_without_pcp_ranks(vllm_config) -> bool:
+    """vLLM 0.20.2's ``RayDistributedExecutor`` builds its step graph from ``pp_tp_workers`` (ranks
+    pp x tp + tp_rank): at pcp > 1 the other PCP ranks get no step and the first collective waits for
+    them forever. Its V2 executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1``) sends each step to every rank."""
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", "")
+    return name == "ray" and os.environ.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0") in ("", "0")
 
 
 def per_token_metadata_problems(vllm_config) -> list[str]:
@@ -116,10 +135,87 @@ def triton_gdn_prefill_under_pcp(vllm_config) -> None:
     step of the engine then runs the same kernels as pcp == 1 with ``gdn_prefill_backend='triton'``."""
     if uses_pcp(vllm_config) and gdn_prefill_backend(vllm_config) == "auto":
         vllm_config.additional_config["gdn_prefill_backend"] = "triton"
-        logging.getLogger("vllm.qwen36_pcp").info(
-            "qwen36_pcp: GDN prefill backend set to 'triton' for prefill context parallel")
+        logger.info("qwen36_pcp: GDN prefill backend set to 'triton' for prefill context parallel")
 
 
+# ------------------------------------------------------------------------------ no GPU at all
+def no_gpu_message(pcp: int, tp: int, device_type: str) -> str | None:
+    """The startup error for PCP where vLLM found no NVIDIA GPU platform, or None (pcp == 1, or a CUDA
+    platform: from there on the config checks and ``visible_gpu_problems`` judge). vLLM's own words
+    there name neither the GPUs nor PCP ("Device string must not be empty", "Failed to infer device
+    type"); ``runner_hooks.no_gpu_message_at_startup`` raises this one instead, for our model only."""
+    if pcp <= 1 or device_type == "cuda":
+        return None
+    if device_type:
+        where = f"this vLLM runs on its {device_type!r} platform, not on NVIDIA GPUs"
+    else:
+        where = f"no GPU is visible (CUDA not available: {_nvidia_driver_status()})"
+    return (f"qwen36_pcp: prefill_context_parallel_size={pcp} x tensor_parallel_size={tp} needs "
+            f"{pcp * tp} NVIDIA GPUs (one per rank) for {ARCHITECTURE}; {where}. Start it on a machine "
+            f"where nvidia-smi lists {pcp * tp} GPUs.")
+
+
+def _nvidia_driver_status() -> str:
+    """What NVML, which vLLM's CUDA platform detection asks, says about this machine."""
+    try:
+        from vllm.utils.import_utils import import_pynvml
+
+        nvml = import_pynvml()
+        nvml.nvmlInit()
+        try:
+            return f"the NVIDIA driver reports {nvml.nvmlDeviceGetCount()} GPU(s)"
+        finally:
+            nvml.nvmlShutdown()
+    except Exception as e:  # noqa: BLE001 - any failure here means: no usable driver
+        return f"no NVIDIA driver found, {e}"
+
+
+def names_our_architecture(model, hf_overrides) -> bool:
+    """Whether engine arguments ask for our model before vLLM has read the checkpoint: ``hf_overrides``
+    (a dict, or its JSON text from a command line) names it, or else a local checkpoint's
+    config.json does (a callable ``hf_overrides`` or a remote checkpoint count as not ours)."""
+    if isinstance(hf_overrides, str):
+        try:
+            hf_overrides = json.loads(hf_overrides)
+        except ValueError:
+            hf_overrides = None
+    archs = hf_overrides.get("architectures") if isinstance(hf_overrides, dict) else None
+    if archs is None and model:
+        try:
+            with open(os.path.join(str(model), "config.json"), encoding="utf-8") as f:
+                archs = json.load(f).get("architectures")
+        except (OSError, ValueError, AttributeError):
+            archs = None
+    return isinstance(archs, (list, tuple)) and ARCHITECTURE in archs
+
+
+def cli_no_gpu_message(argv: list[str], device_type: str) -> str | None:
+    """``no_gpu_message`` for a command line such as ``vllm serve MODEL --hf-overrides ... -pcp 2``,
+    read with vLLM's own argument rules (dashes or underscores, ``--model``, ``--config`` files, dotted
+    JSON keys); None if it does not ask for our model at pcp > 1 or cannot be read."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Reader(FlexibleArgumentParser):
+        def parse_known_args(self, args=None, namespace=None):
+            return super().parse_known_args(args, namespace)[0], []  # the rest is vLLM's to judge
+
+        def error(self, message):
+            raise ValueError(message)
+
+    reader = Reader(add_help=False, allow_abbrev=False)
+    reader.add_argument("subcommand", nargs="?")
+    reader.add_argument("model_tag", nargs="?")
+    reader.add_argument("--model")
+    reader.add_argument("--hf-overrides")
+    reader.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    reader.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
+    try:
+        args = reader.parse_args(list(argv))
+    except (Exception, SystemExit):  # noqa: BLE001 - unreadable: vLLM's own message stands
+        return None
+    if not names_our_architecture(args.model or args.model_tag, args.hf_overrides):
+        return None
+    return no_gpu_message(args.prefill_context_parallel_size, args.tensor_parallel_size, device_type)
 
 
 def wants_whole_experts(vllm_config) -> bool:
@@ -132,14 +228,82 @@ def wants_whole_experts(vllm_config) -> bool:
         return False
 
 
-def whole_experts_bytes(vllm_config) -> int | None:
-    """Every expert's weights of every MoE layer, unquantized (None: quantized, size unknown here)."""
-    if vllm_config.model_config.quantization is not None:
+def experts_storage(model_config) -> tuple[str, int, tuple[int, int] | None, list[str]] | None:
+    """How vLLM 0.20.2 stores the routed experts: (description, bytes per weight, the block of one fp32
+    scale or None for per-tensor scales, the checkpoint's ignored layers); None: a quantization
+    without an estimate here.
+
+    * unquantized: the model dtype, no scales.
+    * ``quantization="fp8"`` on a bf16/fp16 checkpoint (``Fp8OnlineMoEMethod``), and the online schemes
+      ``"fp8_per_tensor"`` / ``"fp8_per_block"`` (``online/fp8.py``): float8_e4m3fn weights with fp32
+      scales per expert and weight (per-tensor) or per 128x128 block.
+    * an FP8 checkpoint (``quantization_config`` ``quant_method="fp8"``, ``Fp8MoEMethod``): the same,
+      with its ``weight_block_size`` (None: per-tensor); experts named in its ``ignored_layers`` /
+      ``modules_to_not_convert`` stay in the model dtype.
+    """
+    method = model_config.quantization
+    if method is None:
+        return str(model_config.dtype).removeprefix("torch."), model_config.dtype.itemsize, None, []
+    if method == "fp8":
+        quant = checkpoint_quant_config(model_config)
+        if quant is None:
+            return "fp8 (online, per-tensor scales)", 1, None, []
+        block = quant.get("weight_block_size")
+        ignored = quant.get("ignored_layers") or quant.get("modules_to_not_convert") or []
+        what = f"fp8, {block[0]}x{block[1]} blocks" if block else "fp8, per-tensor scales"
+        return what, 1, tuple(block) if block else None, list(ignored)
+    args = getattr(model_config, "quantization_config", None)  # vLLM's OnlineQuantizationConfigArgs
+    scheme = getattr(args, "moe_scheme_override", None) or getattr(args, "global_scheme", None)
+    scheme = getattr(scheme, "value", scheme)
+    if method in ("fp8_per_tensor", "fp8_per_block", "online") and not getattr(args, "ignore", None):
+        if scheme == "fp8_per_tensor":
+            return "fp8 (online, per-tensor scales)", 1, None, []
+        if scheme == "fp8_per_block":
+            return "fp8 (online, 128x128 blocks)", 1, (128, 128), []
+    return None  # other methods, other online schemes, online ignore patterns
+
+
+def checkpoint_quant_config(model_config) -> dict | None:
+    """The checkpoint's ``quantization_config``, where vLLM's ``get_quant_config`` looks for it."""
+    hf_config = getattr(model_config, "hf_config", None)
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        quant = getattr(cfg, "quantization_config", None)
+        if quant is not None:
+            return quant if isinstance(quant, dict) else quant.to_dict()
+    return None
+
+
+def _experts_left_unquantized(ignored: list[str], layer: int) -> bool:
+    """vLLM's ``is_layer_skipped`` for our model's FusedMoE ``model.layers.{layer}.mlp.experts``: it is
+    skipped if it is part of an ignored name that names experts (names mapped as our model's
+    ``hf_to_vllm_mapper`` maps them)."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    return any(prefix in re.sub(r"^model\.language_model\.", "model.", name)
+               for name in ignored if "experts" in name)
+
+
+def whole_experts_bytes(vllm_config, tp_size: int = 1) -> int | None:
+    """Bytes of every routed expert of every MoE layer on one GPU, stored as ``experts_storage`` says,
+    with the experts' intermediate dimension split over ``tp_size`` ranks as vLLM shards it over TP
+    (scales counted per rank: ``Fp8MoEMethod.create_weights``' shapes). None: no estimate."""
+    mc = vllm_config.model_config
+    storage = experts_storage(mc)
+    if storage is None:
         return None
-    t = vllm_config.model_config.hf_text_config
-    layers = t.num_hidden_layers - len(getattr(t, "mlp_only_layers", None) or [])
-    per_expert = 3 * t.hidden_size * t.moe_intermediate_size
-    return layers * t.num_experts * per_expert * vllm_config.model_config.dtype.itemsize
+    _, weight_bytes, block, ignored = storage
+    t = mc.hf_text_config
+    h, i = t.hidden_size, -(-t.moe_intermediate_size // tp_size)
+    if block is not None:  # w13 [E, 2I, H] and w2 [E, H, I], one fp32 scale per block
+        bn, bk = block
+        scales = 2 * -(-i // bn) * -(-h // bk) + -(-h // bn) * -(-i // bk)
+    else:  # per-tensor: w13 [E, 2] and w2 [E] at most; none unquantized
+        scales = 3 if mc.quantization is not None else 0
+    per_expert = 3 * h * i * weight_bytes + 4 * scales
+    plain = 3 * h * i * mc.dtype.itemsize
+    mlp_only = set(getattr(t, "mlp_only_layers", None) or [])
+    layers = [n for n in range(t.num_hidden_layers) if n not in mlp_only]
+    return t.num_experts * sum(plain if _experts_left_unquantized(ignored, n) else per_expert
+                               for n in layers)
 
 
 def whole_experts_problems(vllm_config) -> list[str]:
@@ -152,9 +316,15 @@ def whole_experts_problems(vllm_config) -> list[str]:
             "enable_expert_parallel with moe_experts='replicated' (expert parallel splits the experts "
             "over the PCP ranks: pass additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}})"
         )
-    need = whole_experts_bytes(vllm_config)
-    if need is not None:
-        need //= vllm_config.parallel_config.tensor_parallel_size  # experts still shard over TP
+    pc = vllm_config.parallel_config
+    need = whole_experts_bytes(vllm_config, pc.tensor_parallel_size)  # experts still shard over TP
+    if need is None:
+        logger.warning(
+            "qwen36_pcp: moe_experts='replicated' keeps every expert whole on every GPU; their memory is "
+            "not checked at startup for quantization=%r (no estimate for it here): make sure they fit, "
+            "or pass additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}}",
+            vllm_config.model_config.quantization)
+        return problems
     try:
         from vllm.platforms import current_platform
 
@@ -162,11 +332,12 @@ def whole_experts_problems(vllm_config) -> list[str]:
     except Exception:  # noqa: BLE001 - no device to ask (config built without a GPU)
         total = None
     util = vllm_config.cache_config.gpu_memory_utilization
-    if need is not None and total and need > 0.8 * util * total:
-        pcp = vllm_config.parallel_config.prefill_context_parallel_size
+    if total and need > 0.8 * util * total:
+        pcp = pc.prefill_context_parallel_size
         problems.append(
             f"moe_experts='replicated' keeps every expert on every GPU: {need / 2**30:.3g} GiB, more than "
-            f"80% of the {util * total / 2**30:.3g} GiB that gpu_memory_utilization={util} allows; pass "
+            f"80% of the {util * total / 2**30:.3g} GiB that gpu_memory_utilization={util} allows (experts "
+            f"in {experts_storage(vllm_config.model_config)[0]}); pass "
             "additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}} to shard them over the PCP "
             f"ranks as vLLM does ({need / pcp / 2**30:.3g} GiB each)"
         )

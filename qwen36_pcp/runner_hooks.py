@@ -26,13 +26,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 import os
+import sys
 
 import numpy as np
 import torch
 
-from .checks import triton_gdn_prefill_under_pcp, validate_pcp_config, wants_whole_experts
+from .checks import (
+    cli_no_gpu_message,
+    names_our_architecture,
+    no_gpu_message,
+    triton_gdn_prefill_under_pcp,
+    validate_pcp_config,
+    wants_whole_experts,
+)
 from .config import ARCHITECTURE, pcp_config_of, uses_pcp
 from .plan import PCPPlan
 
@@ -55,13 +64,15 @@ def _as_pcp1(vllm_config):
 
 
 def _patch(owner, name: str, make_wrapper) -> None:
-    """Replace ``owner.name`` by ``make_wrapper(original)`` once (idempotent)."""
+    """Replace ``owner.name`` by ``make_wrapper(original)`` once (idempotent; a static method stays one)."""
     current = getattr(owner, name)
     if getattr(current, _PATCHED_MARK, None) is not None:
         return
     wrapper = make_wrapper(current)
     functools.update_wrapper(wrapper, current)
     setattr(wrapper, _PATCHED_MARK, current)
+    if isinstance(inspect.getattr_static(owner, name), staticmethod):
+        wrapper = staticmethod(wrapper)
     setattr(owner, name, wrapper)
 
 
@@ -82,6 +93,57 @@ def install_startup_checks() -> None:
             triton_gdn_prefill_under_pcp(vllm_config)
 
     model_configs.MODELS_CONFIG_MAP[ARCHITECTURE] = Qwen36PCPConfig
+
+
+def no_gpu_message_at_startup() -> None:
+    """Our model at pcp > 1 where vLLM finds no NVIDIA GPU: one message with the numbers
+    (``checks.no_gpu_message``) instead of vLLM's "Device string must not be empty".
+
+    Our config hook comes too late for it: vLLM 0.20.2 fails before any config exists, in the
+    ``DeviceConfig`` of an empty device type (a machine without a GPU gets vLLM's
+    ``UnspecifiedPlatform``). ``LLM(...)`` and the engine reach it first thing in
+    ``EngineArgs.create_engine_config``, which is where the engine arguments are first seen whole:
+    checked there, before vLLM's own code. ``vllm serve`` fails even earlier, while building its
+    argument parser (``EngineArgs.add_cli_args`` computes the ``DeviceConfig`` default: "Failed to infer
+    device type"), before any argument is parsed: when that fails, the command line (``sys.argv``) is
+    read for our model and pcp, and vLLM's error is replaced only if it asks for both.
+
+    Only for our model (named in ``hf_overrides`` or in a local config.json) at pcp > 1, as every
+    hook here: anything else (pcp == 1, vLLM's own models) keeps vLLM's behaviour and messages. The
+    CPU tests are unaffected: their fake CUDA platform has device type ``"cuda"``.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    def device_type() -> str:
+        from vllm import platforms
+
+        return getattr(platforms.current_platform, "device_type", "") or ""
+
+    def make_create(orig):
+        def create_engine_config(self, *args, **kwargs):
+            if self.prefill_context_parallel_size > 1 and names_our_architecture(self.model, self.hf_overrides):
+                message = no_gpu_message(self.prefill_context_parallel_size, self.tensor_parallel_size,
+                                         device_type())
+                if message is not None:
+                    raise RuntimeError(message)
+            return orig(self, *args, **kwargs)
+
+        return create_engine_config
+
+    def make_cli(orig):
+        def add_cli_args(parser, *args, **kwargs):
+            try:
+                return orig(parser, *args, **kwargs)
+            except RuntimeError:
+                message = cli_no_gpu_message(sys.argv[1:], device_type())
+                if message is None:
+                    raise
+                raise RuntimeError(message) from None
+
+        return add_cli_args
+
+    _patch(EngineArgs, "create_engine_config", make_create)
+    _patch(EngineArgs, "add_cli_args", make_cli)
 
 
 # ================================================================ model: whole experts per rank
@@ -388,6 +450,7 @@ def install() -> None:
     if _installed:
         return
     install_startup_checks()
+    no_gpu_message_at_startup()
     replicated_kv_block_sizes()
     replicated_kv_scheduler_accounting()
     replicated_kv_memory_sizing()

@@ -26,7 +26,9 @@ def test_layout_jobs_cover_every_layout_and_engine():
     from tests.gpu import test_pcp_e2e as t
 
     jobs = e2e.module_jobs(t)
-    assert {f"{e}_{lay}" for e in t.ENGINES for lay in t.LAYOUTS} | {"serve_pcp2"} == set(jobs)
+    compiled = {f"compiled_{lay}" for lay in t.COMPILED_LAYOUTS}
+    assert {f"{e}_{lay}" for e in t.ENGINES for lay in t.LAYOUTS} | {"serve_pcp2"} | compiled == set(jobs)
+    assert "enforce_eager" not in jobs["compiled_pcp2"][0]["llm"] and jobs["defaults_pcp2"][0]["llm"]["enforce_eager"]
     ranks = {name: n for name, (_, n) in jobs.items()}
     assert ranks["defaults_pcp8"] == 8 and ranks["chunked_tp2_pcp2"] == 4 and ranks["defaults_pcp1"] == 1
     for name, (spec, n) in jobs.items():

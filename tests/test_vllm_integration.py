@@ -326,8 +326,10 @@ def test_whole_experts_of_qwen36_35b_a3b_take_60_gib():
     cfg = SimpleNamespace(model_config=SimpleNamespace(quantization=None, hf_text_config=text,
                                                        dtype=torch.bfloat16))
     assert whole_experts_bytes(cfg) == 60 * 2**30
-    cfg.model_config.quantization = "fp8"
-    assert whole_experts_bytes(cfg) is None  # size unknown: no startup memory check
+    cfg.model_config.quantization = "fp8"  # online FP8: 1 byte a weight, 3 fp32 scales an expert (tests/test_fp8.py)
+    assert whole_experts_bytes(cfg) == 30 * 2**30 + 40 * 256 * 3 * 4
+    cfg.model_config.quantization = "gptq"
+    assert whole_experts_bytes(cfg) is None  # no estimate: the startup memory check is skipped, with a warning
 
 
 @pytest.mark.parametrize("moe_experts", ["replicated", "sharded"])
@@ -427,3 +429,24 @@ def test_gdn_kkt_race_workaround_keeps_single_k_block_configs(monkeypatch):
     monkeypatch.setattr(chunk_scaled_dot_kkt, "chunk_scaled_dot_kkt_fwd_kernel", vllm_kernel)
     assert race_free_gdn_kkt() and race_free_gdn_kkt()
     assert [c.kwargs["BK"] for c in vllm_kernel.fn.configs] == [128] * 9
+
+
+def test_default_ray_executor_is_refused_at_pcp(monkeypatch):
+    """vLLM's default Ray executor would leave PCP ranks 1+ without steps (a hang); its V2 executor and
+    the multiprocessing backend send every step to every rank."""
+    from vllm.v1.executor.ray_executor import RayDistributedExecutor
+
+    from qwen36_pcp.checks import ray_executor_without_pcp_ranks
+
+    def cfg(backend):
+        return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend))
+
+    monkeypatch.delenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", raising=False)
+    assert ray_executor_without_pcp_ranks(cfg("ray"))
+    assert not ray_executor_without_pcp_ranks(cfg("mp")) and not ray_executor_without_pcp_ranks(cfg(None))
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1")
+    assert not ray_executor_without_pcp_ranks(cfg("ray"))
+    # what the check stands on: the V1 Ray executor's step graph is built from pp_tp_workers
+    import inspect
+
+    assert "pp_tp_workers[0]" in inspect.getsource(RayDistributedExecutor)
