@@ -1,6 +1,6 @@
 """Write a small random checkpoint laid out like a published Qwen3.6 / Qwen3.5 release.
 
-    python -m qwen36_pcp.tools.make_checkpoint OUT_DIR --preset tiny [--seed 0] [--num-shards N]
+    python -m qwen36_pcp.tools.make_checkpoint OUT_DIR --preset tiny [--seed 0] [--num-shards N] [--fp8]
 
 or ``make_checkpoint(out_dir, preset="tiny", seed=0)`` from Python.
 
@@ -23,6 +23,8 @@ the real one so that the loader paths exercised are the ones a real checkpoint t
   transformers' ``save_pretrained`` would write the main layers per expert, so the files are
   written here; only the names and shapes come from transformers' model classes (built on the
   meta device).
+* ``--fp8`` (``fp8=True``): the same weights in the block-wise FP8 layout of the published
+  Qwen3.6-35B-A3B-FP8 (``fp8_checkpoint.py`` says which modules and why).
 
 The full-size presets are config-only: use them with vLLM's ``load_format="dummy"``.
 """
@@ -40,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .fp8_checkpoint import fp8_quantization_config, to_fp8
 
 __all__ = ["CHAT_TEMPLATE", "PRESETS", "SPECIAL_TOKENS", "BadInput", "build_config", "build_tokenizer",
            "main", "make_checkpoint", "make_weights", "tensor_specs"]
@@ -220,8 +224,9 @@ def tensor_specs(config: dict) -> dict[str, tuple[int, ...]]:
     else:
         from transformers import Qwen3_5Config as ConfigCls
         from transformers import Qwen3_5ForConditionalGeneration as ModelCls
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}  # the bf16 model's shapes
     with torch.device("meta"):
-        model = ModelCls(ConfigCls.from_dict(copy.deepcopy(config)))
+        model = ModelCls(ConfigCls.from_dict(copy.deepcopy(plain)))
     specs = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tc = config["text_config"]
     h = tc["hidden_size"]
@@ -365,8 +370,9 @@ def _check_args(out: Path, preset: str, seed: int, num_shards: int, config_only:
 
 
 def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0, num_shards: int = 1, *,
-                    config_only: bool | None = None, force: bool = False) -> Path:
-    """Write ``preset`` into ``out_dir`` and return its path.
+                    config_only: bool | None = None, force: bool = False, fp8: bool = False) -> Path:
+    """Write ``preset`` into ``out_dir`` and return its path (``fp8``: in the block-wise FP8 layout,
+    the same weights as without it, quantized).
 
     ``config_only`` defaults to the preset's own setting (True for the full-size presets, whose
     weights are refused: tens of GB of random numbers help no one). ``out_dir`` may be missing,
@@ -381,6 +387,8 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     _check_args(out, preset, seed, num_shards, config_only, force)
     out.mkdir(parents=True, exist_ok=True)
     config = build_config(p)
+    if fp8:
+        config["quantization_config"] = fp8_quantization_config(tensor_specs(config))
     _write_json(out / "config.json", config)
     for name, obj in _side_configs(p).items():
         _write_json(out / name, obj)
@@ -389,7 +397,8 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     _write_json(out / "tokenizer_config.json", _tokenizer_config(p))
     _remove_weights(out)
     if not config_only:
-        _write_safetensors(out, make_weights(config, seed), num_shards)
+        weights = make_weights(config, seed)
+        _write_safetensors(out, to_fp8(weights) if fp8 else weights, num_shards)
     return out
 
 
@@ -412,18 +421,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="write config and tokenizer but no weights (implied by the full-size presets)")
     ap.add_argument("--force", action="store_true",
                     help="write into a non-empty directory that is not a checkpoint")
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-wise FP8 (128x128 scales) in the layout of the published Qwen3.6-35B-A3B-FP8")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
         out = make_checkpoint(args.out_dir, args.preset, args.seed, args.num_shards,
-                              config_only=True if args.config_only else None, force=args.force)
+                              config_only=True if args.config_only else None, force=args.force, fp8=args.fp8)
     except BadInput as e:
         ap.error(str(e))
     except OSError as e:  # e.g. a parent of OUT_DIR is a file, or no permission
         ap.error(f"cannot write {args.out_dir}: {e}")
     files = sorted(f for f in out.iterdir() if f.is_file())
     total = sum(f.stat().st_size for f in files)
-    print(f"wrote {out} ({args.preset}, seed {args.seed}) in {time.perf_counter() - t0:.1f}s, "
+    print(f"wrote {out} ({args.preset}{', fp8' if args.fp8 else ''}, seed {args.seed}) in "
+          f"{time.perf_counter() - t0:.1f}s, "
           f"{total / 2**20:.1f} MiB:")
     for f in files:
         print(f"  {f.name:40s} {f.stat().st_size:>12,d}")
