@@ -75,8 +75,13 @@ def ray_executor_without_pcp_ranks(vllm_config) -> bool:
     pp x tp + tp_rank): at pcp > 1 the other PCP ranks get no step and the first collective waits for
     them forever. Its V2 executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1``) sends each step to every rank."""
     backend = vllm_config.parallel_config.distributed_executor_backend
-    name = backend if isinstance(backend, str) else getattr(backend, "__name__", "")
-    return name == "ray" and os.environ.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0") in ("", "0")
+    if isinstance(backend, type):
+        from vllm.v1.executor.ray_executor import RayDistributedExecutor
+
+        return issubclass(backend, RayDistributedExecutor)
+    import vllm.envs as envs
+
+    return backend == "ray" and not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND
 
 
 def per_token_metadata_problems(vllm_config) -> list[str]:
@@ -329,8 +334,13 @@ def whole_experts_problems(vllm_config) -> list[str]:
         from vllm.platforms import current_platform
 
         total = current_platform.get_device_total_memory(0)
-    except Exception:  # noqa: BLE001 - no device to ask (config built without a GPU)
-        total = None
+    except Exception as e:  # noqa: BLE001 - no device to ask, or one the platform cannot read
+        logger.warning(
+            "qwen36_pcp: moe_experts='replicated' keeps %.3g GiB of experts whole on every GPU; the GPU's "
+            "memory could not be read (%s: %s), so it is not checked at startup: make sure they fit, or "
+            "pass additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}}", need / 2**30,
+            type(e).__name__, e)
+        return problems
     util = vllm_config.cache_config.gpu_memory_utilization
     if total and need > 0.8 * util * total:
         pcp = pc.prefill_context_parallel_size

@@ -134,11 +134,11 @@ def no_gpu_message_at_startup() -> None:
         def add_cli_args(parser, *args, **kwargs):
             try:
                 return orig(parser, *args, **kwargs)
-            except RuntimeError:
+            except RuntimeError as e:
                 message = cli_no_gpu_message(sys.argv[1:], device_type())
-                if message is None:
+                if message is None or "device type" not in str(e):  # vLLM's "Failed to infer device type"
                     raise
-                raise RuntimeError(message) from None
+                raise RuntimeError(message) from e
 
         return add_cli_args
 

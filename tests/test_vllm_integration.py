@@ -444,6 +444,9 @@ def test_default_ray_executor_is_refused_at_pcp(monkeypatch):
     monkeypatch.delenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", raising=False)
     assert ray_executor_without_pcp_ranks(cfg("ray"))
     assert not ray_executor_without_pcp_ranks(cfg("mp")) and not ray_executor_without_pcp_ranks(cfg(None))
+    assert ray_executor_without_pcp_ranks(cfg(RayDistributedExecutor))
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "00")  # vLLM reads bool(int(...)): still V1
+    assert ray_executor_without_pcp_ranks(cfg("ray"))
     monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1")
     assert not ray_executor_without_pcp_ranks(cfg("ray"))
     # what the check stands on: the V1 Ray executor's step graph is built from pp_tp_workers

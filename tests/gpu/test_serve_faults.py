@@ -33,6 +33,7 @@ MAX_TOKENS = 16
 LONG = 100000
 LENGTHS = [LONG if i % 16 == 5 else 100 + (i * 977) % 8000 for i in range(64)]  # four of 100000
 AFTER_FAULTS = 7  # the prompt asked again after the disconnects
+ABANDONED_MAX_TOKENS = 30000  # decode of minutes on the tiny model, should the hang-up not free it
 
 
 def _prompts() -> list[list[int]]:
@@ -123,13 +124,14 @@ def _serve(gpus: str):
         with cf.ThreadPoolExecutor(64) as pool:
             outs = list(pool.map(lambda p: _stream(url, body(p)), prompts))
         after_load = _settled(url, baseline)
-        _stream(url, body(faults["prefill"]), hang_up_after=0)
-        _stream(url, body(faults["decode"], max_tokens=2000), hang_up_after=3)
+        # abandoned requests that would run for minutes if they were not freed
+        _stream(url, body(faults["prefill"], max_tokens=ABANDONED_MAX_TOKENS), hang_up_after=0)
+        _stream(url, body(faults["decode"], max_tokens=ABANDONED_MAX_TOKENS), hang_up_after=3)
         time.sleep(2)
         # the engine core reports its scheduler's state with a step's outputs: the next request's
         # last step says whether the abandoned requests were freed
         again = _stream(url, body(prompts[AFTER_FAULTS]))
-        after_hangups = _settled(url, baseline)
+        after_hangups = _settled(url, baseline, timeout=15)
         try:
             e2e.post(f"{url}/v1/completions", body(faults["too_long"]), timeout=60)
             too_long = 200
