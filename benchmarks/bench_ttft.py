@@ -4,9 +4,10 @@ and with GDN island.
 
 Qwen3.6-35B-A3B shape with dummy weights (config from the checkpoint maker, no download), eager
 (``--compiled``: vLLM's default torch.compile + CUDA graphs), the whole prompt in one prefill step.
-Needs 2 GPUs (pcp1 alone: 1); prints a table and writes JSON + PNG:
+Needs 2 GPUs (pcp1 alone: 1); prints a table (TTFT, decode ITL, peak memory per rank) and writes
+JSON + PNG. The current defaults against pcp=1 and tp=2 on a 2-GPU machine, in one call:
 
-    python benchmarks/bench_ttft.py --out /tmp/bench_ttft --tokens 32768 131072
+    python benchmarks/bench_ttft.py --out /tmp/bench_ttft --tokens 32768 131072 --configs pcp1 tp2 pcp2
 
 Every config runs the same GDN kernel configs: ``--kkt-configs race_free`` (default) keeps vLLM's
 ``chunk_scaled_dot_kkt_fwd`` to its race-free autotune configs in every engine, as PCP does
@@ -81,7 +82,9 @@ def checkpoint(out: str) -> str:
 def run_child(argv: list[str], log_path: str, kkt_configs: str) -> None:
     """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs;
     a failure is reported and the next config runs."""
-    env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs])
+    # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc with a function (peak_memory_per_rank)
+    env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs],
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     with open(log_path, "w") as log:
         rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
@@ -107,12 +110,28 @@ def child(model: str, config: str, tokens: list[int], reps: int, path: str, comp
         with open(path, "w") as f:
             json.dump(out, f)
     out["itl_ms"] = 1e3 * decode_itl(llm, reps)
+    out["peak_gib_per_rank"] = peak_memory_per_rank(llm)
     with open(path, "w") as f:
         json.dump(out, f)
 
 
+def _peak_gib(worker) -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def peak_memory_per_rank(llm) -> list[float] | str:
+    """Each worker's peak of PyTorch-allocated GPU memory (weights, KV cache, activations), in GiB."""
+    try:
+        return [round(g, 2) for g in llm.collective_rpc(_peak_gib)]
+    except Exception as e:  # noqa: BLE001 - a missing figure must not lose the timings
+        return f"{type(e).__name__}: {e}"
+
+
 def decode_itl(llm, reps: int) -> float:
-    """Seconds per decode step of one request (after a short, unsplit prompt), median of ``reps``."""
+    """Seconds per decode step of one request after a 1024-token prompt (split at pcp > 1 by the
+    default min_split_tokens), median of ``reps``."""
     from vllm import SamplingParams
 
     p = prompt(ITL_PROMPT)
@@ -180,6 +199,8 @@ def report(out: str, configs: list[str], tokens: list[int]) -> None:
     base = table.get("pcp1", {}).get("itl_ms", float("nan"))
     itl = [table[c].get("itl_ms", float("nan")) for c in configs]
     print(f"{'ITL ms':>8} | " + " | ".join(f"{t:>17.2f} ({base / t:4.2f}x)" for t in itl))
+    peaks = [table[c].get("peak_gib_per_rank", "-") for c in configs]
+    print(f"{'peak GiB':>8} | " + " | ".join(f"{str(m)[:26]:>26}" for m in peaks))
     with open(os.path.join(out, "bench_ttft.json"), "w") as f:
         json.dump(table, f, indent=1)
 
