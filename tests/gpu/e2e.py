@@ -192,13 +192,16 @@ def serve(args: list[str], requests, timeout: float = 400, name: str = "serve",
                 _kill_group(proc, dump=True)
 
 
-def shared_serve_args(gpus: str, ranks: int) -> list[str]:
-    """``vllm serve`` arguments that put a server's ranks on GPU 0 when the pool gave it fewer GPUs
-    than ranks (``on_shared_gpu`` for a server)."""
-    if len(gpus.split(",")) >= ranks:
-        return []
-    return ["--worker-cls", SHARED_WORKER, "--distributed-executor-backend", "mp", "--gpu-memory-utilization",
-            str(SHARED_UTILIZATION), "--kv-cache-memory-bytes", str(SHARED_KV_BYTES)]
+def pcp_serve_args(ckpt: str, gpus: str, pcp: int, max_model_len: int) -> list[str]:
+    """``vllm serve`` arguments for our model at ``pcp`` ranks: on GPU 0 with host-memory collectives
+    when the pool gave the server fewer GPUs than ranks (``on_shared_gpu`` for a server)."""
+    args = [ckpt, "--hf-overrides", json.dumps(OVERRIDES), "-pcp", str(pcp),
+            "--max-model-len", str(max_model_len)]
+    if len(gpus.split(",")) < pcp:
+        args += ["--worker-cls", SHARED_WORKER, "--distributed-executor-backend", "mp",
+                 "--gpu-memory-utilization", str(SHARED_UTILIZATION),
+                 "--kv-cache-memory-bytes", str(SHARED_KV_BYTES)]
+    return args
 
 
 def post(url: str, body: dict, timeout: float = 300) -> dict:

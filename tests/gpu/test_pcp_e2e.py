@@ -179,9 +179,8 @@ def _serve_pcp2(gpus, extra_args=(), name="serve_pcp2"):
         e2e.save(name, summary)
         return summary
 
-    return e2e.serve([ckpt, "--hf-overrides", '{"architectures": ["Qwen3_6ForCausalLM"]}',
-                      "-pcp", "2", "--max-model-len", str(SERVE_MAX_MODEL_LEN),
-                      *e2e.shared_serve_args(gpus, 2), *extra_args], requests, name=name, gpus=gpus)
+    return e2e.serve([*e2e.pcp_serve_args(ckpt, gpus, 2, SERVE_MAX_MODEL_LEN), *extra_args], requests,
+                     name=name, gpus=gpus)
 
 
 @pytest.mark.engine_jobs(builder=lambda: {"serve_pcp2": (_serve_pcp2, 2)})

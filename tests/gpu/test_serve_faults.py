@@ -144,10 +144,9 @@ def _serve(gpus: str):
         e2e.save("serve_faults_pcp2", summary)
         return summary
 
-    return e2e.serve([ckpt, "--hf-overrides", json.dumps(e2e.OVERRIDES), "-pcp", "2",
-                      "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
-                      "--gdn-prefill-backend", "triton", *e2e.shared_serve_args(gpus, 2)],
-                     requests, name="serve_faults_pcp2", gpus=gpus, timeout=600)
+    return e2e.serve([*e2e.pcp_serve_args(ckpt, gpus, 2, MAX_MODEL_LEN), "--seed", "0",
+                      "--gdn-prefill-backend", "triton"], requests, name="serve_faults_pcp2", gpus=gpus,
+                     timeout=600)
 
 
 def _jobs():
