@@ -311,6 +311,11 @@ def whole_experts_bytes(vllm_config, tp_size: int = 1) -> int | None:
                                for n in layers)
 
 
+def _memory_not_checked(detail: str) -> None:
+    logger.warning("qwen36_pcp: moe_experts='replicated' keeps %s: make sure they fit, or pass "
+                   "additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}}", detail)
+
+
 def whole_experts_problems(vllm_config) -> list[str]:
     """Startup checks for whole experts: expert parallel would split them; they must fit a GPU."""
     if not wants_whole_experts(vllm_config):
@@ -324,22 +329,17 @@ def whole_experts_problems(vllm_config) -> list[str]:
     pc = vllm_config.parallel_config
     need = whole_experts_bytes(vllm_config, pc.tensor_parallel_size)  # experts still shard over TP
     if need is None:
-        logger.warning(
-            "qwen36_pcp: moe_experts='replicated' keeps every expert whole on every GPU; their memory is "
-            "not checked at startup for quantization=%r (no estimate for it here): make sure they fit, "
-            "or pass additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}}",
-            vllm_config.model_config.quantization)
+        quant = vllm_config.model_config.quantization
+        _memory_not_checked("every expert whole on every GPU; their memory is not checked at startup for "
+                            f"quantization={quant!r} (no estimate for it here)")
         return problems
     try:
         from vllm.platforms import current_platform
 
         total = current_platform.get_device_total_memory(0)
     except Exception as e:  # noqa: BLE001 - no device to ask, or one the platform cannot read
-        logger.warning(
-            "qwen36_pcp: moe_experts='replicated' keeps %.3g GiB of experts whole on every GPU; the GPU's "
-            "memory could not be read (%s: %s), so it is not checked at startup: make sure they fit, or "
-            "pass additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}}", need / 2**30,
-            type(e).__name__, e)
+        _memory_not_checked(f"{need / 2**30:.3g} GiB of experts whole on every GPU; the GPU's memory could "
+                            f"not be read ({type(e).__name__}: {e}), so it is not checked at startup")
         return problems
     util = vllm_config.cache_config.gpu_memory_utilization
     if total and need > 0.8 * util * total:
