@@ -61,6 +61,7 @@ def validate_pcp_config(vllm_config) -> None:
             "pass 'triton' or leave it unset)"
         )
     problems += per_token_metadata_problems(vllm_config)
+    problems += fp8_problems(vllm_config)
     problems += whole_experts_problems(vllm_config)
     problems += visible_gpu_problems(vllm_config)
     if problems:
@@ -108,6 +109,38 @@ def per_token_metadata_problems(vllm_config) -> list[str]:
     return problems
 
 
+def fp8_problems(vllm_config) -> list[str]:
+    """FP8 forms whose answers would change with pcp; block-wise FP8 checkpoints (the layout of the
+    published Qwen3.6-35B-A3B-FP8) pass, and were seen to give pcp=1's bits at pcp=2 on long steps.
+
+    * Online quantization (``quantization="fp8"`` on a bf16 checkpoint, ``"fp8_per_tensor"``,
+      ``"fp8_per_block"``): it quantizes every linear layer, the narrow ones too (router, shared-expert
+      gate, GDN ``in_proj_a/b``, which an FP8 checkpoint keeps in bf16); with ``fp8_per_block`` pcp=2
+      departed from pcp=1 beyond vLLM's logprob rule where the FP8 checkpoint of the same weights was
+      bit for bit.
+    * Per-tensor FP8 experts with dynamic activation scales (online ``"fp8"``, or a checkpoint without
+      ``weight_block_size`` and with ``activation_scheme="dynamic"``): vLLM's fused MoE takes one scale
+      over every row the GPU computes, at a split step each rank's own rows, so each rank quantizes
+      differently from pcp=1 (seen end to end, beyond vLLM's rule).
+    """
+    mc = vllm_config.model_config
+    method = mc.quantization
+    if method not in ("fp8", "fp8_per_tensor", "fp8_per_block", "online"):
+        return []
+    quant = checkpoint_quant_config(mc) if method == "fp8" else None
+    use = "use a block-wise FP8 checkpoint (weight_block_size, as Qwen3.6-35B-A3B-FP8 is published)"
+    if method != "fp8" or quant is None:
+        return [f"online FP8 quantization (quantization={method!r}: it quantizes the narrow layers an FP8 "
+                f"checkpoint keeps in bf16, and pcp would change the answers beyond vLLM's logprob rule); {use}"]
+    storage = experts_storage(mc)
+    per_tensor = storage is not None and storage[2] is None and getattr(mc.hf_text_config, "num_experts", 0)
+    if per_tensor and quant.get("activation_scheme", "dynamic") == "dynamic":
+        return [f"an FP8 checkpoint with per-tensor scales and dynamic activation scales (the experts' "
+                f"activation scale spans the rows a GPU computes, so each PCP rank would quantize "
+                f"differently from pcp=1); {use}"]
+    return []
+
+
 def visible_gpu_problems(vllm_config) -> list[str]:
     """One GPU per rank on this node: fewer visible GPUs than tp x pcp would fail later with a message
     about device ordinals. Not judged without a visible GPU (vLLM says so itself), with a custom
@@ -148,7 +181,7 @@ def no_gpu_message(pcp: int, tp: int, device_type: str) -> str | None:
     """The startup error for PCP where vLLM found no NVIDIA GPU platform, or None (pcp == 1, or a CUDA
     platform: from there on the config checks and ``visible_gpu_problems`` judge). vLLM's own words
     there name neither the GPUs nor PCP ("Device string must not be empty", "Failed to infer device
-    type"); ``runner_hooks.no_gpu_message_at_startup`` raises this one instead, for our model only."""
+    type"); ``runner_hooks.startup_messages_before_config`` raises this one instead, for our model only."""
     if pcp <= 1 or device_type == "cuda":
         return None
     if device_type:
@@ -173,6 +206,34 @@ def _nvidia_driver_status() -> str:
             nvml.nvmlShutdown()
     except Exception as e:  # noqa: BLE001 - any failure here means: no usable driver
         return f"no NVIDIA driver found, {e}"
+
+
+# ------------------------------------------------------------------------- nodes and ranks
+def nnodes_message(tp: int, pp: int, dp: int, pcp: int, nnodes: int) -> str | None:
+    """The startup error for PCP over nodes that vLLM 0.20.2's argument check refuses, or None.
+
+    ``EngineArgs.create_engine_config`` asserts that tp x pp x dp (PCP left out) divides by nnodes, so
+    ``-tp 1 -pcp 2 --nnodes 2`` dies with a bare "world_size=1 must be divisible by nnodes=2", which
+    names neither PCP nor the way out; ``runner_hooks.startup_messages_before_config`` raises this one
+    before it, for our model only. tp a multiple of nnodes always passes that check; where nnodes also
+    divides pcp, each node then holds whole TP groups and only PCP crosses nodes (docs/multi-node.md)."""
+    counted = tp * pp * dp
+    if pcp <= 1 or nnodes <= 1 or counted % nnodes == 0:
+        return None
+    tp_fix = -(-tp // nnodes) * nnodes
+    if pcp % nnodes == 0:
+        how = "keep TP inside a node: make tensor_parallel_size a multiple of nnodes"
+        then = (f"each node then runs {tp_fix * pp * dp * pcp // nnodes} ranks, whole TP groups, and only PCP "
+                "crosses nodes")
+    else:
+        how = "make tensor_parallel_size a multiple of nnodes"
+        then = (f"TP groups then span nodes, as nnodes={nnodes} does not divide "
+                f"prefill_context_parallel_size={pcp}")
+    return (f"qwen36_pcp: vLLM 0.20.2 needs tensor_parallel_size x pipeline_parallel_size x "
+            f"data_parallel_size to be a multiple of nnodes (it leaves prefill_context_parallel_size out "
+            f"of that check): {tp} x {pp} x {dp} = {counted} is not a multiple of nnodes={nnodes} "
+            f"(prefill_context_parallel_size={pcp}). To run {ARCHITECTURE} with PCP across nodes, {how}, "
+            f"e.g. -tp {tp_fix} -pcp {pcp} --nnodes {nnodes} ({then}); see docs/multi-node.md.")
 
 
 def names_our_architecture(model, hf_overrides) -> bool:

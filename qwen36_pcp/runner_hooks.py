@@ -37,6 +37,7 @@ import torch
 from .checks import (
     cli_no_gpu_message,
     names_our_architecture,
+    nnodes_message,
     no_gpu_message,
     triton_gdn_prefill_under_pcp,
     validate_pcp_config,
@@ -95,22 +96,26 @@ def install_startup_checks() -> None:
     model_configs.MODELS_CONFIG_MAP[ARCHITECTURE] = Qwen36PCPConfig
 
 
-def no_gpu_message_at_startup() -> None:
-    """Our model at pcp > 1 where vLLM finds no NVIDIA GPU: one message with the numbers
-    (``checks.no_gpu_message``) instead of vLLM's "Device string must not be empty".
+def startup_messages_before_config() -> None:
+    """Our model at pcp > 1 with engine arguments that vLLM 0.20.2 refuses in words that name neither
+    PCP nor the fix: one message with the numbers instead, raised before vLLM's own code.
 
-    Our config hook comes too late for it: vLLM 0.20.2 fails before any config exists, in the
-    ``DeviceConfig`` of an empty device type (a machine without a GPU gets vLLM's
-    ``UnspecifiedPlatform``). ``LLM(...)`` and the engine reach it first thing in
-    ``EngineArgs.create_engine_config``, which is where the engine arguments are first seen whole:
-    checked there, before vLLM's own code. ``vllm serve`` fails even earlier, while building its
-    argument parser (``EngineArgs.add_cli_args`` computes the ``DeviceConfig`` default: "Failed to infer
-    device type"), before any argument is parsed: when that fails, the command line (``sys.argv``) is
-    read for our model and pcp, and vLLM's error is replaced only if it asks for both.
+    * No NVIDIA GPU (``checks.no_gpu_message``) instead of vLLM's "Device string must not be empty".
+      Our config hook comes too late for it: vLLM fails before any config exists, in the
+      ``DeviceConfig`` of an empty device type (a machine without a GPU gets vLLM's
+      ``UnspecifiedPlatform``). ``vllm serve`` fails even earlier, while building its argument parser
+      (``EngineArgs.add_cli_args`` computes the ``DeviceConfig`` default: "Failed to infer device
+      type"), before any argument is parsed: when that fails, the command line (``sys.argv``) is read
+      for our model and pcp, and vLLM's error is replaced only if it asks for both.
+    * PCP across nodes with tp x pp x dp not a multiple of nnodes (``checks.nnodes_message``) instead
+      of vLLM's bare assertion "world_size=1 must be divisible by nnodes=2", which leaves PCP out.
 
-    Only for our model (named in ``hf_overrides`` or in a local config.json) at pcp > 1, as every
-    hook here: anything else (pcp == 1, vLLM's own models) keeps vLLM's behaviour and messages. The
-    CPU tests are unaffected: their fake CUDA platform has device type ``"cuda"``.
+    Both are checked first thing in ``EngineArgs.create_engine_config`` (what ``LLM(...)``, the engine
+    and a parsed ``vllm serve`` call first, where the engine arguments are first seen whole), in the
+    order vLLM meets them: the device, then the nodes. Only for our model (named in ``hf_overrides``
+    or in a local config.json) at pcp > 1, as every hook here: anything else (pcp == 1, vLLM's own
+    models) keeps vLLM's behaviour and messages. The CPU tests' fake CUDA platform has device type
+    ``"cuda"``: no GPU message there.
     """
     from vllm.engine.arg_utils import EngineArgs
 
@@ -126,6 +131,11 @@ def no_gpu_message_at_startup() -> None:
                                          device_type())
                 if message is not None:
                     raise RuntimeError(message)
+                message = nnodes_message(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                         self.data_parallel_size, self.prefill_context_parallel_size,
+                                         self.nnodes)
+                if message is not None:
+                    raise ValueError(message)
             return orig(self, *args, **kwargs)
 
         return create_engine_config
@@ -450,7 +460,7 @@ def install() -> None:
     if _installed:
         return
     install_startup_checks()
-    no_gpu_message_at_startup()
+    startup_messages_before_config()
     replicated_kv_block_sizes()
     replicated_kv_scheduler_accounting()
     replicated_kv_memory_sizing()

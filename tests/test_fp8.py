@@ -4,6 +4,8 @@
   bf16, vLLM's online ``quantization="fp8"`` (and its ``fp8_per_tensor`` / ``fp8_per_block`` schemes),
   and an FP8 checkpoint laid out like the published Qwen3.6-35B-A3B-FP8 (``make_checkpoint --fp8``,
   128x128 blocks); a method without an estimate skips the memory check with a warning.
+* Which FP8 forms start at pcp=2: block-wise checkpoints and static activation scales do; online FP8
+  and per-tensor dynamic activation scales are refused with the plugin's message.
 * ``make_checkpoint --fp8``: its config parses with ``Fp8Config.from_config``, every FP8 weight has
   its block scales, the dequantized weights are the bf16 checkpoint's of the same seed within e4m3
   rounding, and our model, built with vLLM's ``Fp8Config`` as vLLM's loader builds it, loads every
@@ -57,18 +59,19 @@ def _vllm_side(root):
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("vllm.qwen36_pcp").addHandler(handler)
 
-    def config(name, tp=1, **kw):
+    def config(name, tp=1, pcp=2, **kw):
         return engine_config(str(paths[name]), hf_overrides=OVERRIDES, load_format="dummy",
-                             prefill_context_parallel_size=2, tensor_parallel_size=tp, **kw)
+                             prefill_context_parallel_size=pcp, tensor_parallel_size=tp, **kw)
 
     cases = {"bf16": ("big", {}), "fp8_online": ("big", {"quantization": "fp8"}),
              "fp8_per_tensor": ("big", {"quantization": "fp8_per_tensor"}),
              "fp8_per_block": ("big", {"quantization": "fp8_per_block"}),
              "fp8_checkpoint": ("big_fp8", {}), "experts_int8": ("big", {"quantization": "experts_int8"})}
+    online = ("fp8_online", "fp8_per_tensor", "fp8_per_block")  # refused at pcp > 1: estimated at pcp=1
     out["bytes"], out["storage"] = {}, {}
     for case, (name, kw) in cases.items():
         for tp in (1, 2):
-            cfg = config(name, tp, **kw)
+            cfg = config(name, tp, pcp=1 if case in online else 2, **kw)
             out["bytes"][f"{case}_tp{tp}"] = whole_experts_bytes(cfg, tp)
         out["storage"][case] = (experts_storage(cfg.model_config) or (None,))[0]
     out["int8_problems"], out["int8_warnings"] = whole_experts_problems(cfg), list(warnings)
@@ -86,8 +89,18 @@ def _vllm_side(root):
         return None
 
     out["h100"] = {case: error_of(lambda: config(name, tp, **kw)) for case, name, tp, kw in (
-        ("bf16_tp1", "big", 1, {}), ("bf16_tp2", "big", 2, {}), ("fp8_online_tp1", "big", 1, {"quantization": "fp8"}),
-        ("fp8_checkpoint_tp1", "big_fp8", 1, {}))}
+        ("bf16_tp1", "big", 1, {}), ("bf16_tp2", "big", 2, {}), ("fp8_checkpoint_tp1", "big_fp8", 1, {}))}
+    # per-tensor FP8 experts at pcp=2: refused; block-wise and static activation scales pass
+    for scheme in ("static", "dynamic"):  # per-tensor FP8 checkpoints (config only: dummy weights)
+        paths[f"per_tensor_{scheme}"] = make_checkpoint(root / f"per_tensor_{scheme}", "qwen3.6-35b-a3b")
+        hf = json.loads((paths[f"per_tensor_{scheme}"] / "config.json").read_text())
+        hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": scheme}
+        (paths[f"per_tensor_{scheme}"] / "config.json").write_text(json.dumps(hf))
+    out["fp8_scales"] = {case: error_of(lambda: config(name, 1, **kw)) for case, name, kw in (
+        ("fp8_online", "big", {"quantization": "fp8"}), ("fp8_per_tensor", "big", {"quantization": "fp8_per_tensor"}),
+        ("fp8_per_block", "big", {"quantization": "fp8_per_block"}), ("fp8_checkpoint", "big_fp8", {}),
+        ("checkpoint_per_tensor_static", "per_tensor_static", {}),
+        ("checkpoint_per_tensor_dynamic", "per_tensor_dynamic", {}))}
 
     # ------------------------------------------------------------ the tiny FP8 checkpoint in vLLM
     from vllm.model_executor.layers.quantization import fp8
@@ -181,7 +194,21 @@ def test_startup_check_on_an_80gb_gpu(vllm_side):
     h100 = vllm_side["h100"]
     assert "keeps every expert on every GPU: 60 GiB, more than" in h100["bf16_tp1"], h100["bf16_tp1"]
     assert "allows (experts in bfloat16)" in h100["bf16_tp1"]
-    assert h100["bf16_tp2"] is None and h100["fp8_online_tp1"] is None and h100["fp8_checkpoint_tp1"] is None
+    assert h100["bf16_tp2"] is None and h100["fp8_checkpoint_tp1"] is None
+
+
+def test_fp8_forms_whose_answers_change_with_pcp_are_refused(vllm_side):
+    """Online FP8 (it quantizes the narrow layers a checkpoint keeps in bf16) and per-tensor dynamic
+    activation scales (they span each rank's rows) are refused at pcp=2; block-wise FP8 checkpoints
+    and static activation scales pass."""
+    scales = vllm_side["fp8_scales"]
+    for case in ("fp8_online", "fp8_per_tensor", "fp8_per_block"):
+        assert scales[case] is not None and "online FP8 quantization" in scales[case], (case, scales)
+    assert "per-tensor scales and dynamic activation scales" in scales["checkpoint_per_tensor_dynamic"]
+    for case in ("fp8_online", "fp8_per_tensor", "fp8_per_block", "checkpoint_per_tensor_dynamic"):
+        assert "use a block-wise FP8 checkpoint" in scales[case], (case, scales[case])
+    for case in ("fp8_checkpoint", "checkpoint_per_tensor_static"):
+        assert scales[case] is None, (case, scales[case])
 
 
 def test_experts_named_in_modules_to_not_convert_stay_unquantized():

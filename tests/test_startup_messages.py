@@ -1,10 +1,14 @@
-"""Startup messages where vLLM itself would say something cryptic: PCP for our model on a machine where
-vLLM finds no NVIDIA GPU (``runner_hooks.no_gpu_message_at_startup``).
+"""Startup messages where vLLM itself would say something cryptic, for our model at pcp > 1
+(``runner_hooks.startup_messages_before_config``).
 
-vLLM 0.20.2 without a GPU fails before any config exists: ``LLM(...)`` with "Device string must not be
+No NVIDIA GPU: vLLM 0.20.2 fails before any config exists, ``LLM(...)`` with "Device string must not be
 empty", ``vllm serve`` with "Failed to infer device type" while building its parser. The end-to-end
 test runs both entry points in a fresh process on vLLM's own no-GPU platform (``UnspecifiedPlatform``,
 set explicitly, so that it also holds on a machine with GPUs).
+
+PCP across nodes: vLLM 0.20.2 asserts that tp x pp x dp (PCP left out) divides by nnodes, so
+``-tp 1 -pcp 2 --nnodes 2`` dies with "world_size=1 must be divisible by nnodes=2". Tested on
+``tests.fake_cuda``'s platform (a GPU platform: the no-GPU message stays out of the way).
 """
 
 import json
@@ -65,7 +69,7 @@ def _no_gpu_startup(ckpt):
     out["serve"] = serve("--hf-overrides", json.dumps(OVERRIDES), "-pcp", "2", "--port", "8011")
     out["serve_pcp1"] = serve("--hf-overrides", json.dumps(OVERRIDES))
     out["serve_stock"] = serve("-pcp", "2")
-    runner_hooks.no_gpu_message_at_startup()  # idempotent: still one wrapper around vLLM's code
+    runner_hooks.startup_messages_before_config()  # idempotent: still one wrapper around vLLM's code
     out["once"] = all(getattr(getattr(EngineArgs, n), runner_hooks._PATCHED_MARK, None).__module__
                       == "vllm.engine.arg_utils" for n in ("create_engine_config", "add_cli_args"))
     out["static"] = isinstance(inspect.getattr_static(EngineArgs, "add_cli_args"), staticmethod)
@@ -115,3 +119,81 @@ def test_command_line_is_read_with_vllms_rules(tmp_path, tiny_config_only):
     assert msg(tiny_config_only, *ours, "-pcp", "2", device_type="cuda") is None  # a GPU platform
     cpu = no_gpu_message(2, 1, "cpu")
     assert "needs 2 NVIDIA GPUs" in cpu and "'cpu' platform" in cpu
+
+
+def _nnodes_startup(ckpt, port):
+    from tests.fake_cuda import use_fake_cuda
+
+    use_fake_cuda()  # before vLLM's config modules bind the platform
+    import vllm.platforms as platforms
+
+    type(platforms._current_platform).device_count = classmethod(lambda cls: 2)  # tp x pcp / nnodes
+    import sys
+
+    import qwen36_pcp
+
+    qwen36_pcp.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    out = {}
+
+    def error_of(fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - the message is what is tested
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def llm(**kw):  # node 0 of two, as LLM(...) is started there
+        return error_of(lambda: EngineArgs(model=ckpt, max_model_len=4096, nnodes=2, node_rank=0,
+                                           master_addr="127.0.0.1", **kw).create_engine_config())
+
+    out["llm"] = llm(hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
+    out["llm_pcp1"] = llm(hf_overrides=OVERRIDES)
+    out["llm_stock"] = llm(prefill_context_parallel_size=2)
+    out["llm_tp2"] = llm(hf_overrides=OVERRIDES, prefill_context_parallel_size=2, tensor_parallel_size=2)
+
+    from vllm.entrypoints.cli.main import main
+
+    def serve(*args):
+        sys.argv = ["vllm", "serve", ckpt, "--hf-overrides", json.dumps(OVERRIDES), "--nnodes", "2",
+                    "--master-addr", "127.0.0.1", "--max-model-len", "4096", *args]
+        return error_of(main)
+
+    out["serve"] = serve("-pcp", "2", "--port", str(port))
+    out["serve_headless"] = serve("-pcp", "2", "--node-rank", "1", "--headless")
+    out["serve_pcp1"] = serve("--node-rank", "1", "--headless")
+    return out
+
+
+def test_pcp_across_nodes_one_message_with_the_numbers(tiny_config_only):
+    from tests.fake_cuda import free_port
+
+    out = run_isolated(_nnodes_startup, tiny_config_only, free_port())
+    for key in ("llm", "serve", "serve_headless"):
+        msg = out[key]
+        assert msg and msg.startswith("ValueError: qwen36_pcp: vLLM 0.20.2 needs tensor_parallel_size x "
+                                      "pipeline_parallel_size x data_parallel_size to be a multiple of "
+                                      "nnodes"), (key, msg)
+        assert "1 x 1 x 1 = 1 is not a multiple of nnodes=2" in msg, (key, msg)
+        assert "-tp 2 -pcp 2 --nnodes 2" in msg and "docs/multi-node.md" in msg, (key, msg)
+        assert "must be divisible" not in msg, (key, msg)
+    # pcp == 1 and vLLM's own model: vLLM's assertion, untouched
+    for key in ("llm_pcp1", "llm_stock", "serve_pcp1"):
+        assert out[key] == "AssertionError: world_size=1 must be divisible by nnodes=2.", (key, out[key])
+    # TP a multiple of nnodes passes, here and in vLLM: the whole config is built
+    assert out["llm_tp2"] is None, out["llm_tp2"]
+
+
+def test_nnodes_message_numbers():
+    from qwen36_pcp.checks import nnodes_message
+
+    msg = nnodes_message(1, 1, 1, 2, 2)
+    assert "keep TP inside a node" in msg and "-tp 2 -pcp 2 --nnodes 2 (each node then runs 2 ranks" in msg
+    assert "3 x 1 x 1 = 3 is not a multiple of nnodes=2" in nnodes_message(3, 1, 1, 4, 2)
+    assert "-tp 4 -pcp 4 --nnodes 2 (each node then runs 8 ranks" in nnodes_message(3, 1, 1, 4, 2)
+    spans = nnodes_message(1, 1, 1, 2, 4)  # nnodes does not divide pcp: TP cannot stay inside a node
+    assert "-tp 4 -pcp 2 --nnodes 4 (TP groups then span nodes" in spans and "keep TP" not in spans
+    # pcp == 1, one node, or a split vLLM accepts: nothing to say
+    for args in ((1, 1, 1, 1, 2), (1, 1, 1, 2, 1), (2, 1, 1, 2, 2), (1, 2, 1, 2, 2), (8, 1, 1, 2, 2)):
+        assert nnodes_message(*args) is None, args
