@@ -72,8 +72,12 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
             self.logprobs = [{i: types.SimpleNamespace(logprob=-0.5)} for i in range(n)]
 
     class Engine:
-        def __init__(self):
+        def __init__(self, kw):
             self.pending, self.engine_core = {}, types.SimpleNamespace(shutdown=lambda: None)
+            self.vllm_config = types.SimpleNamespace(
+                model_config=types.SimpleNamespace(quantization=kw.get("quantization")),
+                compilation_config=types.SimpleNamespace(mode=0 if kw.get("enforce_eager") else 3),
+                scheduler_config=types.SimpleNamespace(max_num_batched_tokens=16384))
 
         def add_request(self, rid, prompt, sp):
             assert prompt["prompt_token_ids"]
@@ -98,7 +102,7 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
     class LLM:
         def __init__(self, **kw):
             assert kw["model"] and kw["hf_overrides"]
-            self.llm_engine = Engine()
+            self.llm_engine = Engine(kw)
 
         def generate(self, prompts, sp, use_tqdm=False):
             assert all(p["prompt_token_ids"] for p in prompts)
@@ -113,14 +117,17 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 8192}}))
-    monkeypatch.setattr(e2e, "checkpoint", lambda preset="tiny": str(tmp_path))
+    monkeypatch.setattr(e2e, "checkpoint", lambda preset="tiny", fp8=False: str(tmp_path))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    for name, (spec, _) in t.layout_jobs().items():
+    from tests.gpu import test_fp8_gpu
+
+    specs = {**t.layout_jobs(), **t.compiled_jobs(), **test_fp8_gpu.fp8_jobs()}
+    for name, (spec, _) in specs.items():
         result = e2e.run_engine(spec)
         assert len(result["runs"]) == len(spec["batches"]), name
         for action in spec.get("actions", []):
             assert action in result, (name, action)
-        if name.startswith("defaults"):
+        if "max_tokens_one" in spec.get("actions", []):
             assert result["max_tokens_one"] == [1] * len(t.CASE1_LENGTHS)
             assert result["abort_mid_prefill"]["finished"] == {"survivor": 8}
 

@@ -87,9 +87,13 @@ def run_engine(spec: dict) -> dict:
     t0 = time.time()
     llm = LLM(**spec["llm"])
     startup = time.time() - t0
+    config = llm.llm_engine.vllm_config
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 32),
                         logprobs=spec.get("logprobs", 5))
-    result = {"startup_s": startup, "runs": []}
+    result = {"startup_s": startup, "runs": [],
+              "quantization": config.model_config.quantization,
+              "compilation_mode": str(config.compilation_config.mode),
+              "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens}
     for batch in spec_batches(spec):
         t1 = time.time()
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
@@ -137,13 +141,14 @@ ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "max_tokens_one": _max_token
 
 
 # ----------------------------------------------------------------------------- parent side
-def checkpoint(preset: str = "tiny") -> str:
-    """The tiny random checkpoint (made once per machine, deterministic for the seed)."""
+def checkpoint(preset: str = "tiny", fp8: bool = False) -> str:
+    """The tiny random checkpoint (made once per machine, deterministic for the seed); ``fp8``: the
+    same weights in the block-wise FP8 layout of the published FP8 release."""
     from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
-    path = Path(os.environ.get("QWEN36_PCP_CKPT_DIR", "/tmp/qwen36_pcp_ckpt")) / preset
+    path = Path(os.environ.get("QWEN36_PCP_CKPT_DIR", "/tmp/qwen36_pcp_ckpt")) / (preset + "-fp8" * fp8)
     if not (path / "config.json").exists():
-        make_checkpoint(path, preset=preset, seed=0)
+        make_checkpoint(path, preset=preset, seed=0, fp8=fp8)
     return str(path)
 
 
