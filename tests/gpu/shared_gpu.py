@@ -77,6 +77,11 @@ class SharedGPUWorker(Worker):
     def init_device(self):
         real_count = torch.accelerator.device_count
         self.local_rank %= real_count()
+        if self.parallel_config.nnodes_within_dp > 1:
+            # several "nodes" on this machine: vLLM tells a peer on this node from one on another by
+            # rank // device_count() (MessageQueue.create_from_process_group_single_reader)
+            local = self.parallel_config.local_world_size
+            type(current_platform).device_count = classmethod(lambda cls: local)
         # init_device asserts one visible GPU per local rank
         torch.accelerator.device_count = lambda: max(real_count(), self.parallel_config.local_world_size)
         try:
