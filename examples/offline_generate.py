@@ -9,6 +9,7 @@ nothing to import. Needs as many GPUs as ``--pcp`` (Hopper or newer: flash-atten
 """
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -18,6 +19,8 @@ def main():
     parser.add_argument("--pcp", type=int, default=2, help="prefill_context_parallel_size")
     parser.add_argument("--prompt-tokens", type=int, default=20000, help="about this many prompt tokens")
     parser.add_argument("--checkpoint-dir", default="/tmp/qwen36-tiny", help="where the tiny checkpoint goes")
+    parser.add_argument("--llm-kwargs", type=json.loads, default={},
+                        help='further LLM(...) arguments as JSON, e.g. \'{"enforce_eager": true}\'')
     args = parser.parse_args()
 
     model = args.model
@@ -36,6 +39,7 @@ def main():
         prefill_context_parallel_size=args.pcp,
         max_model_len=args.prompt_tokens + 1024,
         # options: additional_config={"qwen36_pcp": {"gdn_mode": "relay", "min_split_tokens": 512}}
+        **args.llm_kwargs,
     )
     tokenizer = llm.get_tokenizer()
     sentence = "The quick brown fox jumps over the lazy dog. "

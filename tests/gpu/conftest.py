@@ -5,6 +5,7 @@ _SELECTED = []  # the collected tests (their engine_jobs marks make the pool)
 _POOL = {}
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the selected tests' jobs run
 def pytest_collection_modifyitems(config, items):
     _SELECTED[:] = items
     if torch.cuda.is_available():
