@@ -79,36 +79,45 @@ def checkpoint(out: str) -> str:
     return str(make_checkpoint(os.path.join(out, "qwen3.6-35b-a3b"), preset="qwen3.6-35b-a3b"))
 
 
-def run_child(argv: list[str], log_path: str, kkt_configs: str) -> None:
+def run_child(argv: list[str], log_path: str, kkt_configs: str, in_process: bool = False) -> None:
     """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs;
-    a failure is reported and the next config runs."""
+    a failure is reported and the next config runs. ``in_process``: the engine core in that process."""
     # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc with a function (peak_memory_per_rank)
     env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs],
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with open(log_path, "w") as log:
         rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         print(f"exit {rc}, see {log_path}")
 
 
-def child(model: str, config: str, tokens: list[int], reps: int, path: str, compiled: bool) -> None:
-    """Writes {tokens: median seconds} to path after each length (a cut-off run keeps what it measured)."""
+def child(model: str, config: str, tokens: list[int], reps: int, path: str, compiled: bool,
+          budgets: list[int] = ()) -> None:
+    """Writes {tokens: median seconds} to path after each length (a cut-off run keeps what it measured);
+    with ``budgets``, also {"tokens@budget": ...} for the prompt cut into chunks of that many tokens."""
     from vllm import SamplingParams
 
     llm = engine(model, config, max(tokens), compiled)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     out = {"kkt_configs": kkt_configs(), "mode": mode(compiled)}
-    for n in tokens:
-        p = prompt(n)
-        llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            llm.generate([p], sp, use_tqdm=False)
-            times.append(time.perf_counter() - t0)
-        out[n] = statistics.median(times)
-        with open(path, "w") as f:
-            json.dump(out, f)
+    for budget in [0, *budgets]:
+        if budget:  # the scheduler reads its token budget every step (engine core in this process)
+            llm.llm_engine.engine_core.engine_core.scheduler.max_num_scheduled_tokens = budget
+        for n in tokens:
+            p = prompt(n)
+            llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                llm.generate([p], sp, use_tqdm=False)
+                times.append(time.perf_counter() - t0)
+            out[f"{n}@{budget}" if budget else n] = statistics.median(times)
+            with open(path, "w") as f:
+                json.dump(out, f)
+    if budgets:
+        llm.llm_engine.engine_core.engine_core.scheduler.max_num_scheduled_tokens = max(tokens)
     out["itl_ms"] = 1e3 * decode_itl(llm, reps)
     out["peak_gib_per_rank"] = peak_memory_per_rank(llm)
     with open(path, "w") as f:
@@ -154,13 +163,17 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--kkt-configs", choices=list(KKT_ENV), default="race_free")
     parser.add_argument("--compiled", action="store_true", help="torch.compile + CUDA graphs (vLLM's default)")
+    parser.add_argument("--budgets", type=int, nargs="*", default=[],
+                        help="also time each prompt cut into chunks of these many tokens (vLLM's "
+                             "max_num_batched_tokens: 8192 for vllm serve, 16384 for LLM on an H200), "
+                             "in the same engine")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None)
     parser.add_argument("--report-only", action="store_true",
                         help="no engines: table and plot from the ttft_<config>.json already in --out")
     args = parser.parse_args()
     if args.child:
-        child(args.model, args.child[0], args.tokens, args.reps, args.child[1], args.compiled)
+        child(args.model, args.child[0], args.tokens, args.reps, args.child[1], args.compiled, args.budgets)
         return
     os.makedirs(args.out, exist_ok=True)
     if not args.report_only:
@@ -175,7 +188,10 @@ def measure(args) -> None:
         path = os.path.join(args.out, f"ttft_{config}.json")
         argv = [__file__, "--model", model, "--tokens", *map(str, args.tokens), "--reps", str(args.reps),
                 "--child", config, path] + ["--compiled"] * args.compiled
-        run_child(argv, os.path.join(args.out, f"ttft_{config}.log"), args.kkt_configs)
+        if args.budgets:
+            argv += ["--budgets", *map(str, args.budgets)]
+        run_child(argv, os.path.join(args.out, f"ttft_{config}.log"), args.kkt_configs,
+                  in_process=bool(args.budgets))
 
 
 def report(out: str, configs: list[str], tokens: list[int]) -> None:
@@ -196,6 +212,14 @@ def report(out: str, configs: list[str], tokens: list[int]) -> None:
             t = table[c].get(str(n), float("nan"))
             cells.append(f"{t:>17.3f} ({base / t:4.2f}x)")
         print(f"{n:>8} | " + " | ".join(cells))
+    budgets = sorted({int(k.split("@")[1]) for c in configs for k in table[c] if "@" in k})
+    for b in budgets:
+        print(f"chunks of {b} tokens (x) = time / one step of the same config:")
+        for n in tokens:
+            cells = [f"{table[c].get(f'{n}@{b}', float('nan')):>17.3f} "
+                     f"({table[c].get(f'{n}@{b}', float('nan')) / table[c].get(str(n), float('nan')):4.2f}x)"
+                     for c in configs]
+            print(f"{n:>8} | " + " | ".join(cells))
     base = table.get("pcp1", {}).get("itl_ms", float("nan"))
     itl = [table[c].get("itl_ms", float("nan")) for c in configs]
     print(f"{'ITL ms':>8} | " + " | ".join(f"{t:>17.2f} ({base / t:4.2f}x)" for t in itl))
