@@ -230,9 +230,11 @@ def report(out: str, configs: list[str], tokens: list[int]) -> None:
 
     def draw(ax):
         for c in configs:
-            ns = [n for n in tokens if str(n) in table[c]]
-            if ns:
-                ax.plot(ns, [table[c][str(n)] for n in ns], marker="o", label=c)
+            for key, style in [("{}", "-"), *((f"{{}}@{b}", "--") for b in budgets)]:
+                ns = [n for n in tokens if key.format(n) in table[c]]
+                if ns:
+                    label = c if key == "{}" else f"{c}, chunks of {key.split('@')[1]}"
+                    ax.plot(ns, [table[c][key.format(n)] for n in ns], marker="o", linestyle=style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("TTFT (s)")
