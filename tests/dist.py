@@ -146,3 +146,13 @@ def run_isolated(fn, *args, timeout: float = 600.0):
     if status == "error":
         raise AssertionError(f"isolated run failed:\n{payload}")
     return pickle.loads(payload)
+
+
+def error_of(fn) -> str | None:
+    """``"ExceptionType: message"`` of what ``fn()`` raises (SystemExit included: vLLM's CLI exits on a
+    bad argument), or None: for tests of the message a refused config or command ends with."""
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the message is what is tested
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -43,14 +43,9 @@ def _no_gpu_startup(ckpt):
     qwen36_pcp.register()
     from vllm.engine.arg_utils import EngineArgs
 
-    out = {}
+    from tests.dist import error_of
 
-    def error_of(fn):
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - the message is what is tested
-            return f"{type(e).__name__}: {e}"
-        return None
+    out = {}
 
     def llm(**kw):  # what LLM(...) and the engine call first
         return error_of(lambda: EngineArgs(model=ckpt, max_model_len=4096, **kw).create_engine_config())
@@ -135,14 +130,9 @@ def _nnodes_startup(ckpt, port):
     qwen36_pcp.register()
     from vllm.engine.arg_utils import EngineArgs
 
-    out = {}
+    from tests.dist import error_of
 
-    def error_of(fn):
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - the message is what is tested
-            return f"{type(e).__name__}: {e}"
-        return None
+    out = {}
 
     def llm(**kw):  # node 0 of two, as LLM(...) is started there
         return error_of(lambda: EngineArgs(model=ckpt, max_model_len=4096, nnodes=2, node_rank=0,
