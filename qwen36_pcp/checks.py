@@ -109,32 +109,59 @@ def per_token_metadata_problems(vllm_config) -> list[str]:
     return problems
 
 
+# vLLM 0.20.2's online quantization methods: "online" with a scheme per layer kind, or one scheme's name
+ONLINE_METHODS = ("online", "fp8_per_tensor", "fp8_per_block", "int8_per_channel_weight_only", "mxfp8")
+# online schemes that quantize activations to FP8, the narrow layers' included
+ONLINE_FP8_SCHEMES = ("fp8_per_tensor", "fp8_per_block", "mxfp8")
+
+
+def online_schemes(model_config) -> dict[str, str] | None:
+    """{"linear": scheme, "moe": scheme} of vLLM's online quantization (``quantization="fp8"`` on a
+    checkpoint without a ``quantization_config`` is its ``fp8_per_tensor``), or None: no online
+    quantization."""
+    method = model_config.quantization
+    if method == "fp8" and checkpoint_quant_config(model_config) is None:
+        return {"linear": "fp8_per_tensor", "moe": "fp8_per_tensor"}
+    if method not in ONLINE_METHODS:
+        return None
+    args = getattr(model_config, "quantization_config", None)  # vLLM's OnlineQuantizationConfigArgs
+
+    def value(scheme):
+        return getattr(scheme, "value", scheme)
+
+    default = value(getattr(args, "global_scheme", None)) or (method if method != "online" else None)
+    return {kind: value(getattr(args, f"{kind}_scheme_override", None)) or default for kind in ("linear", "moe")}
+
+
 def fp8_problems(vllm_config) -> list[str]:
     """FP8 forms whose answers would change with pcp; block-wise FP8 checkpoints (the layout of the
-    published Qwen3.6-35B-A3B-FP8) pass, and were seen to give pcp=1's bits at pcp=2 on long steps.
+    published Qwen3.6-35B-A3B-FP8) pass, and gave pcp=1's bits at pcp=2 on long steps.
 
-    * Online quantization (``quantization="fp8"`` on a bf16 checkpoint, ``"fp8_per_tensor"``,
-      ``"fp8_per_block"``): it quantizes every linear layer, the narrow ones too (router, shared-expert
-      gate, GDN ``in_proj_a/b``, which an FP8 checkpoint keeps in bf16); with ``fp8_per_block`` pcp=2
-      departed from pcp=1 beyond vLLM's logprob rule where the FP8 checkpoint of the same weights was
-      bit for bit.
-    * Per-tensor FP8 experts with dynamic activation scales (online ``"fp8"``, or a checkpoint without
-      ``weight_block_size`` and with ``activation_scheme="dynamic"``): vLLM's fused MoE takes one scale
-      over every row the GPU computes, at a split step each rank's own rows, so each rank quantizes
-      differently from pcp=1 (seen end to end, beyond vLLM's rule).
+    * vLLM's online FP8 schemes (``quantization="fp8"`` on a bf16 checkpoint, ``"fp8_per_tensor"``,
+      ``"fp8_per_block"``, ``"mxfp8"``, or ``"online"`` with one of them): they quantize every linear
+      layer, the narrow ones too (router, shared-expert gate, GDN ``in_proj_a/b``, which an FP8
+      checkpoint keeps in bf16). With ``"fp8"`` and ``"fp8_per_block"`` pcp=2 departed from pcp=1 beyond
+      vLLM's logprob rule where the FP8 checkpoint of the same weights was bit for bit; ``mxfp8`` is
+      refused with them, unverified. Weight-only online schemes pass (not verified).
+    * An FP8 checkpoint with per-tensor expert scales and dynamic activation scales (no
+      ``weight_block_size``, ``activation_scheme="dynamic"``): vLLM's fused MoE then takes one
+      activation scale over every row the GPU computes, at a split step each rank's own rows, so each
+      rank quantizes differently from pcp=1 (the path that online ``"fp8"`` takes, seen end to end).
     """
     mc = vllm_config.model_config
-    method = mc.quantization
-    if method not in ("fp8", "fp8_per_tensor", "fp8_per_block", "online"):
-        return []
-    quant = checkpoint_quant_config(mc) if method == "fp8" else None
     use = "use a block-wise FP8 checkpoint (weight_block_size, as Qwen3.6-35B-A3B-FP8 is published)"
-    if method != "fp8" or quant is None:
-        return [f"online FP8 quantization (quantization={method!r}: it quantizes the narrow layers an FP8 "
-                f"checkpoint keeps in bf16, and pcp would change the answers beyond vLLM's logprob rule); {use}"]
-    storage = experts_storage(mc)
-    per_tensor = storage is not None and storage[2] is None and getattr(mc.hf_text_config, "num_experts", 0)
-    if per_tensor and quant.get("activation_scheme", "dynamic") == "dynamic":
+    schemes = online_schemes(mc)
+    if schemes is not None:
+        fp8 = sorted({s for s in schemes.values() if s in ONLINE_FP8_SCHEMES})
+        if not fp8:
+            return []
+        return [f"online FP8 quantization (quantization={mc.quantization!r}, {'/'.join(fp8)}: it quantizes "
+                f"the narrow layers an FP8 checkpoint keeps in bf16, and pcp would change the answers "
+                f"beyond vLLM's logprob rule); {use}"]
+    quant = checkpoint_quant_config(mc) if mc.quantization == "fp8" else None
+    if quant is None or quant.get("weight_block_size") or not getattr(mc.hf_text_config, "num_experts", 0):
+        return []
+    if quant.get("activation_scheme", "dynamic") == "dynamic":
         return [f"an FP8 checkpoint with per-tensor scales and dynamic activation scales (the experts' "
                 f"activation scale spans the rows a GPU computes, so each PCP rank would quantize "
                 f"differently from pcp=1); {use}"]
@@ -310,23 +337,21 @@ def experts_storage(model_config) -> tuple[str, int, tuple[int, int] | None, lis
     method = model_config.quantization
     if method is None:
         return str(model_config.dtype).removeprefix("torch."), model_config.dtype.itemsize, None, []
+    schemes = online_schemes(model_config)
+    if schemes is not None:
+        ignore = getattr(getattr(model_config, "quantization_config", None), "ignore", None)
+        if schemes["moe"] == "fp8_per_tensor" and not ignore:
+            return "fp8 (online, per-tensor scales)", 1, None, []
+        if schemes["moe"] == "fp8_per_block" and not ignore:
+            return "fp8 (online, 128x128 blocks)", 1, (128, 128), []
+        return None  # other online schemes, online ignore patterns
     if method == "fp8":
         quant = checkpoint_quant_config(model_config)
-        if quant is None:
-            return "fp8 (online, per-tensor scales)", 1, None, []
         block = quant.get("weight_block_size")
         ignored = quant.get("ignored_layers") or quant.get("modules_to_not_convert") or []
         what = f"fp8, {block[0]}x{block[1]} blocks" if block else "fp8, per-tensor scales"
         return what, 1, tuple(block) if block else None, list(ignored)
-    args = getattr(model_config, "quantization_config", None)  # vLLM's OnlineQuantizationConfigArgs
-    scheme = getattr(args, "moe_scheme_override", None) or getattr(args, "global_scheme", None)
-    scheme = getattr(scheme, "value", scheme)
-    if method in ("fp8_per_tensor", "fp8_per_block", "online") and not getattr(args, "ignore", None):
-        if scheme == "fp8_per_tensor":
-            return "fp8 (online, per-tensor scales)", 1, None, []
-        if scheme == "fp8_per_block":
-            return "fp8 (online, 128x128 blocks)", 1, (128, 128), []
-    return None  # other methods, other online schemes, online ignore patterns
+    return None  # other methods
 
 
 def checkpoint_quant_config(model_config) -> dict | None:

@@ -86,16 +86,26 @@ def _vllm_side(root):
     out["h100"] = {case: error_of(lambda: config(name, tp, **kw)) for case, name, tp, kw in (
         ("bf16_tp1", "big", 1, {}), ("bf16_tp2", "big", 2, {}), ("fp8_checkpoint_tp1", "big_fp8", 1, {}))}
     # per-tensor FP8 experts at pcp=2: refused; block-wise and static activation scales pass
-    for scheme in ("static", "dynamic"):  # per-tensor FP8 checkpoints (config only: dummy weights)
-        paths[f"per_tensor_{scheme}"] = make_checkpoint(root / f"per_tensor_{scheme}", "qwen3.6-35b-a3b")
-        hf = json.loads((paths[f"per_tensor_{scheme}"] / "config.json").read_text())
-        hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": scheme}
-        (paths[f"per_tensor_{scheme}"] / "config.json").write_text(json.dumps(hf))
+    # per-tensor FP8 checkpoints (config only: dummy weights), the quantization config where the
+    # releases put it and inside text_config
+    for scheme, where in (("static", None), ("dynamic", None), ("dynamic", "text_config")):
+        name = f"per_tensor_{scheme}" + (f"_in_{where}" if where else "")
+        paths[name] = make_checkpoint(root / name, "qwen3.6-35b-a3b")
+        hf = json.loads((paths[name] / "config.json").read_text())
+        (hf[where] if where else hf)["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": scheme}
+        (paths[name] / "config.json").write_text(json.dumps(hf))
+    online = {"fp8_online": {"quantization": "fp8"}, "fp8_per_tensor": {"quantization": "fp8_per_tensor"},
+              "fp8_per_block": {"quantization": "fp8_per_block"}, "mxfp8": {"quantization": "mxfp8"},
+              "online_fp8_moe": {"quantization": "online", "quantization_config": {
+                  "linear_scheme_override": "int8_per_channel_weight_only", "moe_scheme_override": "fp8_per_block"}},
+              "online_int8_weight_only": {"quantization": "online", "quantization_config": {
+                  "global_scheme": "int8_per_channel_weight_only"}}}
     out["fp8_scales"] = {case: error_of(lambda: config(name, 1, **kw)) for case, name, kw in (
-        ("fp8_online", "big", {"quantization": "fp8"}), ("fp8_per_tensor", "big", {"quantization": "fp8_per_tensor"}),
-        ("fp8_per_block", "big", {"quantization": "fp8_per_block"}), ("fp8_checkpoint", "big_fp8", {}),
+        *((case, "big", kw) for case, kw in online.items()), ("fp8_checkpoint", "big_fp8", {}),
         ("checkpoint_per_tensor_static", "per_tensor_static", {}),
-        ("checkpoint_per_tensor_dynamic", "per_tensor_dynamic", {}))}
+        ("checkpoint_per_tensor_dynamic", "per_tensor_dynamic", {}),
+        ("checkpoint_per_tensor_dynamic_in_text_config", "per_tensor_dynamic_in_text_config", {}))}
 
     # ------------------------------------------------------------ the tiny FP8 checkpoint in vLLM
     from vllm.model_executor.layers.quantization import fp8
@@ -197,12 +207,16 @@ def test_fp8_forms_whose_answers_change_with_pcp_are_refused(vllm_side):
     activation scales (they span each rank's rows) are refused at pcp=2; block-wise FP8 checkpoints
     and static activation scales pass."""
     scales = vllm_side["fp8_scales"]
-    for case in ("fp8_online", "fp8_per_tensor", "fp8_per_block"):
+    online = ("fp8_online", "fp8_per_tensor", "fp8_per_block", "mxfp8", "online_fp8_moe")
+    for case in online:
         assert scales[case] is not None and "online FP8 quantization" in scales[case], (case, scales)
-    assert "per-tensor scales and dynamic activation scales" in scales["checkpoint_per_tensor_dynamic"]
-    for case in ("fp8_online", "fp8_per_tensor", "fp8_per_block", "checkpoint_per_tensor_dynamic"):
+    assert "fp8_per_block" in scales["online_fp8_moe"] and "int8" not in scales["online_fp8_moe"]
+    dynamic = ("checkpoint_per_tensor_dynamic", "checkpoint_per_tensor_dynamic_in_text_config")
+    for case in dynamic:
+        assert "per-tensor scales and dynamic activation scales" in scales[case], (case, scales[case])
+    for case in (*online, *dynamic):
         assert "use a block-wise FP8 checkpoint" in scales[case], (case, scales[case])
-    for case in ("fp8_checkpoint", "checkpoint_per_tensor_static"):
+    for case in ("fp8_checkpoint", "checkpoint_per_tensor_static", "online_int8_weight_only"):
         assert scales[case] is None, (case, scales[case])
 
 
