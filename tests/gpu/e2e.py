@@ -190,11 +190,22 @@ def serve(args: list[str], requests, timeout: float = 400, name: str = "serve",
                     time.sleep(2)
             return requests(f"http://127.0.0.1:{port}")
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc, dump=True)
+            stop_group(proc)
+
+
+def cli_flags(llm_kwargs: dict) -> list[str]:
+    """The ``vllm serve`` flags for ``LLM(**llm_kwargs)``'s engine arguments (``model`` aside):
+    ``--key-with-dashes value``, ``--flag`` / ``--no-flag`` for booleans, JSON for dicts and lists."""
+    args = []
+    for key, value in llm_kwargs.items():
+        if key == "model":
+            continue
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            args += [f"--{flag}", json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return args
 
 
 def pcp_serve_args(ckpt: str, gpus: str, pcp: int, max_model_len: int) -> list[str]:
@@ -203,9 +214,7 @@ def pcp_serve_args(ckpt: str, gpus: str, pcp: int, max_model_len: int) -> list[s
     args = [ckpt, "--hf-overrides", json.dumps(OVERRIDES), "-pcp", str(pcp),
             "--max-model-len", str(max_model_len)]
     if len(gpus.split(",")) < pcp:
-        args += ["--worker-cls", SHARED_WORKER, "--distributed-executor-backend", "mp",
-                 "--gpu-memory-utilization", str(SHARED_UTILIZATION),
-                 "--kv-cache-memory-bytes", str(SHARED_KV_BYTES)]
+        args += cli_flags(on_shared_gpu({"llm": {}})["llm"])
     return args
 
 
@@ -220,6 +229,35 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
 
 def save(name: str, data) -> None:
     (out_dir() / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 60, drain_s: float = 30) -> int:
+    """Stop a launcher started with ``start_new_session`` and everything it started: SIGTERM, up to
+    ``timeout`` s for it to exit (then its group's stacks are dumped and the group killed), up to
+    ``drain_s`` s for the rest of its process group (workers, multiprocessing helpers) to exit, then
+    SIGKILL to whatever is left. Returns how many processes were left to kill."""
+    import signal
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc, dump=True)
+    deadline = time.time() + drain_s
+    while (left := _group_size(proc.pid)) and time.time() < deadline:
+        time.sleep(1)
+    if left:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _group_size(pgid: int) -> int:
+    """Live (not zombie) processes in a process group."""
+    rows = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True).stdout.splitlines()
+    return sum(1 for row in rows if row.split()[:1] == [str(pgid)] and not row.split()[1].startswith("Z"))
 
 
 def _kill_group(proc: subprocess.Popen, dump: bool) -> None:

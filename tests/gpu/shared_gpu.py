@@ -5,7 +5,8 @@ built with ``worker_cls="tests.gpu.shared_gpu.SharedGPUWorker"`` and
 ``distributed_executor_backend="mp"`` puts every worker on GPU 0 and moves its collectives through
 host memory over gloo. Gathers, broadcasts and point-to-point copies move the same bytes as NCCL, so a
 pcp=2 engine computes here exactly what it computes on two GPUs; only its speed differs. Sums are
-taken in fp32 on the host, not in NCCL's order: tp=2 is not run this way.
+taken in fp32 on the host, not in NCCL's order: a tp=2 engine here is compared only with another
+engine summed the same way (tp=2 x pcp=2 against tp=2), not with tp=2 over NCCL.
 
 Importing this module (which vLLM does in each worker process, to find the worker class) switches
 the CUDA platform to these communicators before the worker joins the distributed world.

@@ -45,7 +45,7 @@ def _shared_args(command: str) -> list[str]:
     if "offline_generate.py" in command:
         return ["--llm-kwargs", json.dumps(shared)]
     if "serve.sh" in command:
-        return [arg for key, value in shared.items() for arg in ("--" + key.replace("_", "-"), str(value))]
+        return e2e.cli_flags(shared)
     return []
 
 
@@ -64,9 +64,9 @@ def _quickstart(gpus: str) -> dict:
             argv = shlex.split(command.rstrip("&").strip()) + (_shared_args(command) if shared else [])
             argv = [sys.executable if a == "python" else a for a in argv]
             log_path = e2e.out_dir() / f"quickstart_{i}.log"
-            log = open(log_path, "w")
-            proc = subprocess.Popen(argv, cwd=e2e.REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(argv, cwd=e2e.REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
             if background:
                 server = proc
                 steps.append({"command": command, "argv": argv, "background": True})
@@ -75,18 +75,15 @@ def _quickstart(gpus: str) -> dict:
                 proc.wait(timeout=STEP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 e2e._kill_group(proc, dump=True)
-            log.close()
             steps.append({"command": command, "argv": argv, "exit_code": proc.returncode,
-                          "output": log_path.read_text()[-3000:]})
+                          "output": log_path.read_text()[-3000:],
+                          # the client's answers came from this server, not from another one on its port
+                          "server_running": server is not None and server.poll() is None})
             if proc.returncode != 0:
                 break
     finally:
         if server is not None:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                e2e._kill_group(server, dump=False)
+            e2e.stop_group(server)
     result = {"shared_gpu": shared, "steps": steps}
     e2e.save("quickstart", result)
     return result
@@ -102,6 +99,7 @@ def test_readme_quick_start_runs_as_written(engine_pool):
     run = [s for s in steps if not s.get("background")]
     assert all(s["exit_code"] == 0 for s in run), run
     offline, client = run[0]["output"], run[-1]["output"]
+    assert run[-1]["server_running"], "the server was not running when the client got its answers"
     answers = re.findall(r"^(\d+) prompt tokens -> (['\"])(.+)\2$", offline, re.M)
     assert len(answers) == 2 and int(answers[0][0]) > 10000, offline
     assert re.search(r"^completion: .+", client, re.M) and re.search(r"^chat: .+", client, re.M), client

@@ -18,14 +18,14 @@ argument check, with the plugin's message: ``tests/test_startup_messages.py``.)
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+
+from tests.fake_cuda import free_port
 
 from . import e2e
 from .test_pcp_e2e import CASE1_LENGTHS, _engine_specs, _parallel
@@ -36,29 +36,7 @@ NODES = 2
 LAYOUT = "tp2_pcp2"
 REFERENCE = f"defaults_{LAYOUT}"  # test_pcp_e2e's one-node engine (the same job there)
 NODE1_STOP_S = 60
-NODE1_DRAIN_S = 30  # its workers and multiprocessing helpers exit after the launcher
-
-
-def cli_args(llm: dict) -> list[str]:
-    """``vllm serve`` arguments for the same engine as ``LLM(**llm)`` (model first)."""
-    args = [llm["model"]]
-    for key, value in llm.items():
-        if key == "model":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            args.append(flag)
-        elif value is False:
-            args.append("--no-" + key.replace("_", "-"))
-        else:
-            args += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
-    return args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+NODE1_DRAIN_S = 30  # its workers and multiprocessing helpers exit after the launcher; then killed
 
 
 def _node_specs(shared: bool):
@@ -69,10 +47,10 @@ def _node_specs(shared: bool):
     from vllm.usage.usage_lib import UsageContext
 
     spec = _engine_specs()["defaults"]
-    parallel, ranks = _parallel(LAYOUT)
-    tokens, seqs = EngineArgs.get_batch_defaults(ranks)
+    parallel, _ = _parallel(LAYOUT)
+    tokens, seqs = EngineArgs.get_batch_defaults(parallel["tensor_parallel_size"])  # as vLLM calls it
     llm = {**spec["llm"], **parallel, "nnodes": NODES, "master_addr": "127.0.0.1",
-           "master_port": _free_port()}
+           "master_port": free_port()}
     if shared:
         llm = e2e.on_shared_gpu({"llm": llm})["llm"]
     node0 = {**spec, "llm": {**llm, "node_rank": 0}}
@@ -89,37 +67,17 @@ def _two_nodes(gpus: str) -> dict:
     gpus0, gpus1 = (gpus, gpus) if shared else (",".join(visible[:2]), ",".join(visible[2:4]))
     log_path = e2e.out_dir() / "two_nodes_node1.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *cli_args(node1)],
-                                cwd=e2e.REPO, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", node1["model"],
+                                 *e2e.cli_flags(node1)], cwd=e2e.REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env=e2e.child_env(gpus1, HF_HUB_OFFLINE="1"), start_new_session=True)
         try:
             result = e2e.engine(node0, name="two_nodes_tp2_pcp2", gpus=gpus0)
         finally:
-            proc.terminate()
             t0 = time.time()
-            try:
-                proc.wait(timeout=NODE1_STOP_S)
-            except subprocess.TimeoutExpired:
-                e2e._kill_group(proc, dump=True)
-            node1_stop_s = time.time() - t0
-    result["node1"] = {"exit_code": proc.returncode, "stop_s": node1_stop_s,
-                       "left": _processes_left(proc.pid, NODE1_DRAIN_S)}
-    if result["node1"]["left"]:
-        e2e._kill_group(proc, dump=False)  # judged by the test; nothing stays behind
+            left = e2e.stop_group(proc, timeout=NODE1_STOP_S, drain_s=NODE1_DRAIN_S)
+    result["node1"] = {"exit_code": proc.returncode, "stop_s": round(time.time() - t0, 1), "left": left}
     e2e.save("two_nodes_tp2_pcp2", result)
     return result
-
-
-def _processes_left(pgid: int, wait_s: float) -> int:
-    """How many processes of node 1's process group (its workers and multiprocessing helpers) still
-    run ``wait_s`` seconds after its launcher exited, or as soon as none does."""
-    deadline = time.time() + wait_s
-    while True:
-        out = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True).stdout.split("\n")
-        left = sum(1 for line in out if line.split()[:1] == [str(pgid)] and not line.split()[1].startswith("Z"))
-        if left == 0 or time.time() > deadline:
-            return left
-        time.sleep(1)
 
 
 def two_node_jobs():
