@@ -102,9 +102,12 @@ def child(model: str, config: str, tokens: list[int], reps: int, path: str, comp
     llm = engine(model, config, max(tokens), compiled)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     out = {"kkt_configs": kkt_configs(), "mode": mode(compiled)}
+    # the scheduler reads its token budget every step (``budgets``: the engine core in this process)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler if budgets else None
+    one_step = scheduler.max_num_scheduled_tokens if budgets else None
     for budget in [0, *budgets]:
-        if budget:  # the scheduler reads its token budget every step (engine core in this process)
-            llm.llm_engine.engine_core.engine_core.scheduler.max_num_scheduled_tokens = budget
+        if budget:
+            scheduler.max_num_scheduled_tokens = budget
         for n in tokens:
             p = prompt(n)
             llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
@@ -117,7 +120,7 @@ def child(model: str, config: str, tokens: list[int], reps: int, path: str, comp
             with open(path, "w") as f:
                 json.dump(out, f)
     if budgets:
-        llm.llm_engine.engine_core.engine_core.scheduler.max_num_scheduled_tokens = max(tokens)
+        scheduler.max_num_scheduled_tokens = one_step
     out["itl_ms"] = 1e3 * decode_itl(llm, reps)
     out["peak_gib_per_rank"] = peak_memory_per_rank(llm)
     with open(path, "w") as f:
@@ -166,7 +169,7 @@ def main():
     parser.add_argument("--budgets", type=int, nargs="*", default=[],
                         help="also time each prompt cut into chunks of these many tokens (vLLM's "
                              "max_num_batched_tokens: 8192 for vllm serve, 16384 for LLM on an H200), "
-                             "in the same engine")
+                             "in the same engine, its engine core then in the benchmark's process")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None)
     parser.add_argument("--report-only", action="store_true",

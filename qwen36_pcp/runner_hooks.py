@@ -16,8 +16,8 @@ Experts under PCP: vLLM 0.20.2 shards them over TP x PCP; our model keeps them w
 rank unless ``moe_experts="sharded"`` (``whole_experts_on_every_pcp_rank``).
 
 Runner: each step's plan comes from the scheduler output (identical on all ranks); split steps run
-eagerly (no CUDA graph, whose captured sizes are for the full batch), each rank runs the model on its
-token slice, and the full hidden states are re-assembled by an all-gather, so sampling, logprobs and
+without CUDA graphs (captured for whole-batch sizes; the torch.compile'd graph still runs), each rank
+runs the model on its token slice, and the full hidden states are re-assembled by an all-gather, so sampling, logprobs and
 prompt logprobs see exactly what they see at pcp == 1.
 """
 
@@ -338,7 +338,8 @@ def runner_split_steps() -> None:
         def _determine_batch_execution_and_padding(self, *args, **kwargs):
             state = getattr(self, "_qwen36_pcp", None)
             if state is not None and state.split_step:
-                # CUDA graphs were captured for full-batch sizes; a split step runs a local slice.
+                # CUDA graphs were captured for full-batch sizes; a split step runs a local slice
+                # (through the compiled graph where there is one: force_eager only skips the graphs).
                 kwargs["force_eager"] = True
             return orig(self, *args, **kwargs)
 
