@@ -23,6 +23,9 @@ The model of one prefill step of T new tokens (Qwen3.6-35B-A3B shape, eager, bf1
   all-gather of the hidden rows. Time = latency + bytes moved per GPU / bandwidth (constants below).
 - **Host time per step**: TTFT - GPU busy time at pcp=1 (measured), fitted as a T + c, the same at pcp=N.
 
+Across nodes of 8 H200s (TP inside a node, PCP across: the last table, docs/multi-node.md) TP's
+all-reduces stay on NVLink and PCP's collectives cross InfiniBand (constants below).
+
 It validates against the TTFT measured on 2 x H200 on 2026-11-29 that it was not fitted to (pcp=2 with
 state passing and sharded experts; tp=2) and prints each error. A chunked prefill with a token budget B runs ceil(T/B)
 steps; step i attends B queries to i*B + B keys.
@@ -52,6 +55,11 @@ TTFT_2X = RESULTS / "ttft_2xh200_2026-11-29" / "bench_ttft.json"
 # 20 us (NCCL's small-message all-gather on NVLink is of that order).
 NVLINK_BYTES_PER_S = 0.8 * 450e9
 COLLECTIVE_LATENCY_S = 20e-6
+# Between nodes (PCP across H200 HGX nodes, one ConnectX-7 NDR NIC per GPU): 400 Gb/s = 50 GB/s each
+# way per GPU (NVIDIA ConnectX-7 datasheet), 80% of it reached (assumed, as for NVLink); latency per
+# collective: assumed 30 us (NCCL's small-message all-gather over InfiniBand is tens of us).
+IB_BYTES_PER_S = 0.8 * 50e9
+IB_LATENCY_S = 30e-6
 
 # Qwen3.6-35B-A3B
 LAYERS, ATTN_LAYERS, GDN_LAYERS, MOE_LAYERS = 40, 10, 30, 40
@@ -72,6 +80,15 @@ CONFIGS = {  # name: (pcp, tp, gdn mode, experts)
 # model config: measured config (pcp=1's TTFT is what the host time is fitted to: not a validation)
 VALIDATION = {"pcp2_sp_sharded": "pcp2_state_passing", "tp2": "tp2"}
 TARGETS = {("pcp2", 32768): 1.7, ("pcp2", 131072): 1.85, ("pcp4", 131072): 3.4}
+# nodes of 8 H200s, TP inside a node, PCP across nodes (docs/multi-node.md): name -> (config, nodes)
+MULTI_NODE = {
+    "1 node, tp8": ((1, 8, None, None), 1),
+    "2 nodes, tp8 x pcp2, relay": ((2, 8, "relay", "whole"), 2),
+    "2 nodes, tp8 x pcp2, state passing": ((2, 8, "state_passing", "whole"), 2),
+    "4 nodes, tp8 x pcp4, relay": ((4, 8, "relay", "whole"), 4),
+    "4 nodes, tp8 x pcp4, state passing": ((4, 8, "state_passing", "whole"), 4),
+}
+MULTI_NODE_LENGTHS = (131072, 1048576)
 
 
 def load(path: Path):
@@ -127,12 +144,13 @@ class StepModel:
         """(name, count, bytes each GPU moves per call) of one step with q new tokens."""
         n, tp, mode, experts = cfg
         out = []
-        if tp > 1:
-            out.append(("tp all-reduce", 2 * LAYERS, 2 * (tp - 1) / tp * q * HIDDEN * BF16))
+        if tp > 1:  # over each rank's q/n rows
+            out.append(("tp all-reduce", 2 * LAYERS, 2 * (tp - 1) / tp * q / n * HIDDEN * BF16))
         if n == 1:
             return out
         share = (n - 1) / n
-        out.append(("attention K/V all-gather", ATTN_LAYERS, share * q * 2 * KV_HEADS / tp * HEAD_DIM * BF16))
+        kv_heads = max(1.0, KV_HEADS / tp)  # vLLM replicates the KV heads beyond tp = KV_HEADS
+        out.append(("attention K/V all-gather", ATTN_LAYERS, share * q * 2 * kv_heads * HEAD_DIM * BF16))
         conv_dim = (2 * GDN_K_HEADS + GDN_V_HEADS) * GDN_HEAD_DIM // tp
         out.append(("GDN conv halo all-gather", GDN_LAYERS, n * (CONV_KERNEL - 1) * conv_dim * BF16))
         state = GDN_V_HEADS // tp * GDN_HEAD_DIM * GDN_HEAD_DIM * FP32
@@ -146,8 +164,9 @@ class StepModel:
         out.append(("final hidden-row all-gather", 1, share * q * HIDDEN * BF16))
         return out
 
-    def step(self, cfg, q: int, cached: int) -> dict:
-        """Seconds of one step: q new tokens after ``cached`` tokens of the same request."""
+    def step(self, cfg, q: int, cached: int, nodes: int = 1) -> dict:
+        """Seconds of one step: q new tokens after ``cached`` tokens of the same request; with
+        ``nodes`` > 1 the PCP collectives cross the network (TP's stay inside a node)."""
         n, tp, mode, experts = cfg
         pairs = q * cached + q * q / 2
         gpu = {"attention": self.kind_s("attention", q, pairs) / n,
@@ -156,18 +175,22 @@ class StepModel:
         gpu["gdn"] = self.kind_s("gdn", q) * (self.gdn_ratio(mode, n, q) if n > 1 else 1.0)
         if tp > 1:
             gpu = {k: v / tp if k != "other" else v for k, v in gpu.items()}
-        comm = sum(c * (COLLECTIVE_LATENCY_S + b / NVLINK_BYTES_PER_S) for _, c, b in
-                   self.collectives(cfg, q))
+        def seconds(name, count, nbytes):
+            across = nodes > 1 and name != "tp all-reduce"
+            latency, rate = (IB_LATENCY_S, IB_BYTES_PER_S) if across else (COLLECTIVE_LATENCY_S, NVLINK_BYTES_PER_S)
+            return count * (latency + nbytes / rate)
+
+        comm = sum(seconds(*c) for c in self.collectives(cfg, q))
         a, c = self.host
         host = a * q + c
         return {**gpu, "communication": comm, "host": host, "total": sum(gpu.values()) + comm + host}
 
-    def ttft(self, cfg, tokens: int, budget: int | None = None) -> float:
+    def ttft(self, cfg, tokens: int, budget: int | None = None, nodes: int = 1) -> float:
         budget = budget or tokens
         total, done = 0.0, 0
         while done < tokens:
             q = min(budget, tokens - done)
-            total += self.step(cfg, q, done)["total"]
+            total += self.step(cfg, q, done, nodes)["total"]
             done += q
         return total
 
@@ -201,6 +224,19 @@ def tables(model: StepModel) -> dict:
         speedup = rows[("one step", "pcp1")][t] / rows[("one step", name)][t]
         print(f"  {name} at {t // 1024}k: predicted {speedup:.2f}x, target {target}x")
     return rows
+
+
+def multi_node(model: StepModel) -> None:
+    """PCP across nodes of 8 H200s (TP inside a node), one step and vLLM's serve budget x pcp."""
+    print("\npredicted TTFT (s) across nodes of 8 x H200 (NVLink inside, InfiniBand NDR between);"
+          " (x) = speedup over one node at tp=8")
+    for label, scale in (("one step", None), ("budget 8192 x pcp", 8192)):
+        print(f"{label}:\n{'config':>36} " + " ".join(f"{t // 1024:>12}k" for t in MULTI_NODE_LENGTHS))
+        base = {t: model.ttft(MULTI_NODE["1 node, tp8"][0], t, scale) for t in MULTI_NODE_LENGTHS}
+        for name, (cfg, nodes) in MULTI_NODE.items():
+            budget = scale and scale * cfg[0]
+            vals = {t: model.ttft(cfg, t, budget, nodes) for t in MULTI_NODE_LENGTHS}
+            print(f"{name:>36} " + " ".join(f"{vals[t]:>7.2f} ({base[t] / vals[t]:.2f}x)" for t in MULTI_NODE_LENGTHS))
 
 
 def breakdown(model: StepModel, tokens: int = 131072) -> None:
@@ -245,6 +281,7 @@ def main():
     worst = validate(model)
     tables(model)
     breakdown(model)
+    multi_node(model)
     plot(model, str(out / "predict_ttft.png"))
     print(f"\nmax validation error: {worst:.1%}")
 

@@ -1,0 +1,32 @@
+"""The step-time model runs on CPU from the committed profiles (benchmarks/predict_ttft.py)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def test_runs_from_the_committed_profiles_and_reports_its_validation(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "predict_ttft.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip().splitlines()[-1].startswith("max validation error: ")
+    assert "across nodes of 8 x H200" in out
+    assert (tmp_path / "predict_ttft.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_pcp_collectives_cross_the_network_and_tp_stays_inside():
+    from benchmarks.predict_ttft import MULTI_NODE, StepModel
+
+    model = StepModel()
+    cfg, nodes = MULTI_NODE["2 nodes, tp8 x pcp2, relay"]
+    inside, across = model.step(cfg, 131072, 0), model.step(cfg, 131072, 0, nodes)
+    assert across["communication"] > inside["communication"]  # the same bytes over InfiniBand
+    assert across["total"] - across["communication"] == inside["total"] - inside["communication"]
+    # tp's all-reduce covers each rank's rows, a PCP rank's half of the step
+    rows = {name: b for name, _, b in model.collectives(cfg, 131072)}
+    assert rows["tp all-reduce"] == 2 * 7 / 8 * 65536 * 2048 * 2
+    ttft = {name: model.ttft(c, 131072, None, n) for name, (c, n) in MULTI_NODE.items()}
+    assert ttft["4 nodes, tp8 x pcp4, relay"] < ttft["2 nodes, tp8 x pcp2, relay"] < ttft["1 node, tp8"]
