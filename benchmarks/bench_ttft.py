@@ -219,9 +219,8 @@ def report(out: str, configs: list[str], tokens: list[int]) -> None:
     for b in budgets:
         print(f"chunks of {b} tokens (x) = time / one step of the same config:")
         for n in tokens:
-            cells = [f"{table[c].get(f'{n}@{b}', float('nan')):>17.3f} "
-                     f"({table[c].get(f'{n}@{b}', float('nan')) / table[c].get(str(n), float('nan')):4.2f}x)"
-                     for c in configs]
+            chunked = {c: table[c].get(f"{n}@{b}", float("nan")) for c in configs}
+            cells = [f"{t:>17.3f} ({t / table[c].get(str(n), float('nan')):4.2f}x)" for c, t in chunked.items()]
             print(f"{n:>8} | " + " | ".join(cells))
     base = table.get("pcp1", {}).get("itl_ms", float("nan"))
     itl = [table[c].get("itl_ms", float("nan")) for c in configs]

@@ -17,8 +17,8 @@ rank unless ``moe_experts="sharded"`` (``whole_experts_on_every_pcp_rank``).
 
 Runner: each step's plan comes from the scheduler output (identical on all ranks); split steps run
 without CUDA graphs (captured for whole-batch sizes; the torch.compile'd graph still runs), each rank
-runs the model on its token slice, and the full hidden states are re-assembled by an all-gather, so sampling, logprobs and
-prompt logprobs see exactly what they see at pcp == 1.
+runs the model on its token slice, and the full hidden states are re-assembled by an all-gather, so
+sampling, logprobs and prompt logprobs see exactly what they see at pcp == 1.
 """
 
 from __future__ import annotations

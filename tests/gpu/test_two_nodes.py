@@ -28,13 +28,13 @@ import torch
 from tests.fake_cuda import free_port
 
 from . import e2e
-from .test_pcp_e2e import CASE1_LENGTHS, _engine_specs, _parallel
+from .test_pcp_e2e import CASE1_LENGTHS, layout_jobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 NODES = 2
 LAYOUT = "tp2_pcp2"
-REFERENCE = f"defaults_{LAYOUT}"  # test_pcp_e2e's one-node engine (the same job there)
+REFERENCE = f"defaults_{LAYOUT}"  # test_pcp_e2e's one-node engine, the same job
 NODE1_STOP_S = 60
 NODE1_DRAIN_S = 30  # its workers and multiprocessing helpers exit after the launcher; then killed
 
@@ -46,11 +46,9 @@ def _node_specs(shared: bool):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 
-    spec = _engine_specs()["defaults"]
-    parallel, _ = _parallel(LAYOUT)
-    tokens, seqs = EngineArgs.get_batch_defaults(parallel["tensor_parallel_size"])  # as vLLM calls it
-    llm = {**spec["llm"], **parallel, "nnodes": NODES, "master_addr": "127.0.0.1",
-           "master_port": free_port()}
+    spec, _ = layout_jobs()[REFERENCE]
+    tokens, seqs = EngineArgs.get_batch_defaults(spec["llm"]["tensor_parallel_size"])  # as vLLM calls it
+    llm = {**spec["llm"], "nnodes": NODES, "master_addr": "127.0.0.1", "master_port": free_port()}
     if shared:
         llm = e2e.on_shared_gpu({"llm": llm})["llm"]
     node0 = {**spec, "llm": {**llm, "node_rank": 0}}
@@ -81,10 +79,8 @@ def _two_nodes(gpus: str) -> dict:
 
 
 def two_node_jobs():
-    spec = _engine_specs()["defaults"]
-    parallel, ranks = _parallel(LAYOUT)
-    return {REFERENCE: ({**spec, "llm": {**spec["llm"], **parallel}}, ranks),
-            "two_nodes_tp2_pcp2": (_two_nodes, ranks)}
+    reference = layout_jobs()[REFERENCE]
+    return {REFERENCE: reference, "two_nodes_tp2_pcp2": (_two_nodes, reference[1])}
 
 
 @pytest.mark.engine_jobs(builder=two_node_jobs)
