@@ -39,6 +39,10 @@ CONFIGS = {
                         additional_config={"qwen36_pcp": {"gdn_mode": "island"}}),
     "pcp2_sharded_experts": dict(prefill_context_parallel_size=2,
                                  additional_config={"qwen36_pcp": {"moe_experts": "sharded"}}),
+    # the earlier defaults (measured on 2 x H200 on 2026-11-29 as "pcp2_state_passing")
+    "pcp2_state_passing_sharded": dict(prefill_context_parallel_size=2, additional_config={
+        "qwen36_pcp": {"gdn_mode": "state_passing", "moe_experts": "sharded"}}),
+    "pcp4": dict(prefill_context_parallel_size=4),
 }
 ITL_PROMPT, ITL_TOKENS = 1024, 129  # decode: (time for 129 tokens - time for 1) / 128
 
@@ -60,10 +64,24 @@ def engine(model: str, config: str, longest: int, compiled: bool = False, **kw):
     """The benchmarks' engine: one config, every prompt up to ``longest`` in one prefill step."""
     from vllm import LLM
 
-    return LLM(model=model, load_format="dummy", hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
-               gdn_prefill_backend="triton", enforce_eager=not compiled, max_model_len=longest + 16,
-               max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0,
-               enable_prefix_caching=False, **CONFIGS[config], **kw)  # every rep a full prefill
+    args = dict(model=model, load_format="dummy", hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
+                gdn_prefill_backend="triton", enforce_eager=not compiled, max_model_len=longest + 16,
+                max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0,
+                enable_prefix_caching=False)  # every rep a full prefill
+    return LLM(**{**args, **CONFIGS[config], **kw})
+
+
+SHARED_TURNS_LOCK = "/tmp/qwen36_pcp_shared_turns.lock"
+
+
+def shared_gpu_engine_args(config: str) -> dict:
+    """Every rank of ``config`` on GPU 0 (tests/gpu/shared_gpu.py), taking turns between collectives
+    (``run_child(shared_gpu=True)`` sets the lock): each rank's kernels run alone, so per-rank kernel
+    times are those of one GPU per rank. The ranks share the GPU's memory."""
+    cfg = CONFIGS[config]
+    ranks = cfg.get("tensor_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1)
+    return dict(worker_cls="tests.gpu.shared_gpu.SharedGPUWorker", distributed_executor_backend="mp",
+                gpu_memory_utilization=0.9 / ranks, kv_cache_memory_bytes=8 << 30)
 
 
 def prompt(n: int):
@@ -72,21 +90,36 @@ def prompt(n: int):
     return TokensPrompt(prompt_token_ids=[(i * 7919) % 200000 + 10 for i in range(n)])
 
 
-def checkpoint(out: str) -> str:
-    """Qwen3.6-35B-A3B's config and tokenizer (no weights: the engines load dummy ones)."""
+def checkpoint(out: str, layers: int | None = None) -> str:
+    """Qwen3.6-35B-A3B's config and tokenizer (no weights: the engines load dummy ones); ``layers``:
+    its first layers only (whole periods of 3 GDN + 1 attention), so that every rank of a shared-GPU
+    engine holds its weights."""
     from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
-    return str(make_checkpoint(os.path.join(out, "qwen3.6-35b-a3b"), preset="qwen3.6-35b-a3b"))
+    name = "qwen3.6-35b-a3b" + (f"-{layers}-layers" if layers else "")
+    path = make_checkpoint(os.path.join(out, name), preset="qwen3.6-35b-a3b")
+    if layers:
+        config_path = path / "config.json"
+        config = json.loads(config_path.read_text())
+        text = config["text_config"]
+        assert layers % text["full_attention_interval"] == 0, "whole periods of the layer pattern"
+        text.update(num_hidden_layers=layers, layer_types=text["layer_types"][:layers])
+        config_path.write_text(json.dumps(config, indent=2))
+    return str(path)
 
 
-def run_child(argv: list[str], log_path: str, kkt_configs: str, in_process: bool = False) -> None:
+def run_child(argv: list[str], log_path: str, kkt_configs: str, in_process: bool = False,
+              shared_gpu: bool = False) -> None:
     """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs;
-    a failure is reported and the next config runs. ``in_process``: the engine core in that process."""
+    a failure is reported and the next config runs. ``in_process``: the engine core in that process;
+    ``shared_gpu``: its ranks take turns on GPU 0 (``shared_gpu_engine_args``)."""
     # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc with a function (peak_memory_per_rank)
     env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs],
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if shared_gpu:
+        env["QWEN36_PCP_SHARED_TURNS"] = SHARED_TURNS_LOCK
     with open(log_path, "w") as log:
         rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
@@ -162,7 +195,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/bench_ttft")
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                        default=[c for c in CONFIGS if not c.startswith("pcp4")])  # up to 2 GPUs
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--kkt-configs", choices=list(KKT_ENV), default="race_free")
     parser.add_argument("--compiled", action="store_true", help="torch.compile + CUDA graphs (vLLM's default)")

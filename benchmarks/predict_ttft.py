@@ -1,21 +1,24 @@
 """Time to first token at pcp=N on H200s, predicted from one-GPU profiles and the plan's collectives.
 
     python benchmarks/predict_ttft.py                     # tables, a PNG, and the validation error
-    python benchmarks/predict_ttft.py --profile --out DIR # remake the pcp=1 profiles on a GPU (profile_prefill.py)
+    python benchmarks/predict_ttft.py --profile --out DIR # remake the profiles on one GPU (profile_prefill.py)
 
 The model of one prefill step of T new tokens (Qwen3.6-35B-A3B shape, eager, bf16):
 
 - **GPU time by kernel kind**, from vLLM's torch profiler on one H200 at pcp=1, 32k and 128k tokens
   (``profile_prefill_pcp1_h200_2026-12-01``). Attention is fitted as a T + b T^2 (causal), every other
-  kind as a T + c. A PCP rank runs attention for T/N queries against all keys: zigzag blocks give each
-  rank 1/N of the causal work; GEMMs, MoE with whole experts and the rest run on T/N rows. Sharded
-  experts: 1/N of the MoE work on all T rows. tp=2: every kind halves except "other" (norms, residual
-  adds and routing run on every row of every TP rank).
-- **GDN** at pcp=2 from the layer measurements: state passing on 2 x H200 (2026-11-29) and the relay
-  relative to state passing with each rank's kernels on one H200 (2026-12-01). Other N: the relay's
-  state recurrence is serial over the whole prompt (fla's ``chunk_..._fwd_kernel_h``, 19% of GDN time at
-  pcp=1 at both lengths), the rest divides by N; state passing divides by N from its pcp=2 time.
-  These two are modelled, not measured, beyond N = 2.
+  kind as a T + c. tp=2: every kind halves except "other" (norms, residual adds and routing run on
+  every row of every TP rank).
+- **A PCP rank's share**, measured: ``profile_prefill.py --shared-gpu --layers 8`` ran pcp=1 and pcp=2
+  (relay; state passing) on one H200, every rank's kernels alone on the GPU in turn, at 32k and 128k
+  (``profile_prefill_split_1xh200_2026-12-02``: the model's first 8 layers, whole experts). Per kind,
+  a rank's kernel time over pcp=1's (about 0.5; more where the split step copies and indexes), and
+  the step's critical path (the slowest rank between two collectives) over the sum of the kinds, both
+  interpolated in log T and held at the ends. Other N: each kind's share scales by 2/N, except the
+  relay's state recurrence (fla's ``chunk_..._fwd_kernel_h``, 19% of GDN time at pcp=1 at both
+  lengths), which runs rank after rank over the whole prompt; the critical-path ratio is kept. Beyond
+  N = 2 this is modelled, not measured. Sharded experts: 1/N of pcp=1's MoE time (not profiled split:
+  their collectives through host memory make the shared-GPU engine too slow at these lengths).
 - **Collectives**, bytes from the plan and the model: per attention layer the new K/V all-gather; per
   GDN layer the conv-halo all-gather and, relay, 2N-1 serial end-state hand-offs (fp32 [heads, K, V]) or,
   state passing, one all-gather of the [V+K, K] fp32 summaries; with sharded experts an all-gather and
@@ -27,8 +30,8 @@ Across nodes of 8 H200s (TP inside a node, PCP across: the last table, docs/mult
 all-reduces stay on NVLink and PCP's collectives cross InfiniBand (constants below).
 
 It validates against the TTFT measured on 2 x H200 on 2026-11-29 that it was not fitted to (pcp=2 with
-state passing and sharded experts; tp=2) and prints each error. A chunked prefill with a token budget B runs ceil(T/B)
-steps; step i attends B queries to i*B + B keys.
+state passing and sharded experts; tp=2) and prints each error. A chunked prefill with a token budget B
+runs ceil(T/B) steps; step i attends B queries to i*B + B keys.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ from benchmarks.plot import save_figure  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 PROFILES = RESULTS / "profile_prefill_pcp1_h200_2026-12-01"
-GDN_2X = RESULTS / "gdn_layer_2xh200_2026-11-29" / "bench_gdn_cp.json"
-GDN_RELAY = RESULTS / "gdn_relay_1xh200_2026-12-01" / "gdn_relay.json"
+SPLIT_PROFILES = RESULTS / "profile_prefill_split_1xh200_2026-12-02"
 TTFT_2X = RESULTS / "ttft_2xh200_2026-11-29" / "bench_ttft.json"
 
 # NVLink 4 on H200 SXM: 900 GB/s per GPU, both directions together (NVIDIA H200 datasheet), so 450 GB/s
@@ -70,6 +72,7 @@ RELAY_SERIAL_SHARE = 0.19  # chunk_gated_delta_rule_fwd_kernel_h / all GDN kerne
 
 LENGTHS = (32768, 131072, 1048576)
 BUDGETS = {"one step": None, "budget 8192 (vllm serve)": 8192, "budget 16384 (LLM)": 16384}
+SPLIT_CONFIGS = {"relay": "pcp2", "state_passing": "pcp2_state_passing"}  # in SPLIT_PROFILES
 CONFIGS = {  # name: (pcp, tp, gdn mode, experts)
     "pcp1": (1, 1, None, None), "tp2": (1, 2, None, None),
     "pcp2": (2, 1, "relay", "whole"), "pcp2_state_passing": (2, 1, "state_passing", "whole"),
@@ -115,11 +118,36 @@ class StepModel:
         host = {t: ttft["pcp1"][str(t)] - p["busy_ms"] / 1e3 for t, p in prof.items()}
         a = (host[t2] - host[t1]) / (t2 - t1)
         self.host = (a, host[t1] - a * t1)
-        # GDN at pcp=2 relative to pcp=1, per length: state passing (2 x H200), relay (x its ratio to
-        # state passing with each rank's kernels on one H200)
-        sp = {r["tokens"]: r["pcp2_state_passing_ms"] / r["one_gpu_ms"] for r in load(GDN_2X)}
-        relay = {r["tokens"]: r["relay_ms"] / r["state_passing_ms"] for r in load(GDN_RELAY)}
-        self.gdn2 = {"state_passing": sp, "relay": {t: sp[t] * relay[t] for t in sp}}
+        # pcp=2 per rank relative to pcp=1, per kind, mode and length: the split profiles (8 layers,
+        # whole experts, each rank's kernels alone on one H200, pcp=1 in the same run)
+        self.split = {mode: {} for mode in SPLIT_CONFIGS}
+        for n, d in ((32768, "32k"), (131072, "128k")):
+            rows = load(SPLIT_PROFILES / d / "profile_prefill.json")
+            base = rows["pcp1/rank0"]["kinds_ms"]
+            for mode, config in SPLIT_CONFIGS.items():
+                ranks = [r for name, r in rows.items() if name.startswith(config + "/")]
+                factors = {k: sum(r["kinds_ms"][k] for r in ranks) / len(ranks) / base[k] for k in base
+                           if k != "communication"}
+                modelled = sum(base[k] * self._gdn_or(k, factors, mode, 2) for k in factors)
+                factors["imbalance"] = ranks[0]["critical_ms"] / modelled
+                self.split[mode][n] = factors
+
+    @staticmethod
+    def _gdn_or(kind: str, factors: dict, mode: str, n: int) -> float:
+        """Time at pcp=n / pcp=1 of one kind on the critical path, from its pcp=2 factor: every kind's
+        work divides by n, but the relay's state recurrence (RELAY_SERIAL_SHARE of GDN at pcp=1) runs
+        rank after rank: each rank's kernels hold 1/n of it, the step waits for all of it."""
+        f2 = factors[kind]
+        if kind == "gdn" and mode == "relay":
+            return (f2 - RELAY_SERIAL_SHARE / 2) * 2 / n + RELAY_SERIAL_SHARE
+        return f2 * 2 / n
+
+    def factors(self, mode: str, tokens: int) -> dict:
+        """The pcp=2 factors at ``tokens``, interpolated in log T between the profiled lengths."""
+        pts = self.split[mode]
+        t1, t2 = sorted(pts)
+        w = (min(max(math.log(tokens), math.log(t1)), math.log(t2)) - math.log(t1)) / math.log(t2 / t1)
+        return {k: pts[t1][k] + (pts[t2][k] - pts[t1][k]) * w for k in pts[t1]}
 
     def kind_s(self, kind: str, rows: float, causal_pairs: float | None = None) -> float:
         """pcp=1 GPU time of one kind for ``rows`` query rows; attention by its causal (query, key)
@@ -128,17 +156,6 @@ class StepModel:
         if kind == "attention":
             return a * rows + b * 2 * (causal_pairs if causal_pairs is not None else rows * rows / 2)
         return a * rows + c
-
-    def gdn_ratio(self, mode: str, n: int, tokens: int) -> float:
-        """GDN time at pcp=n / pcp=1 for one step of ``tokens`` tokens."""
-        pts = self.gdn2[mode]
-        t1, t2 = sorted(pts)
-        x = min(max(math.log(tokens), math.log(t1)), math.log(t2))  # interpolate in log T, clamp
-        r2 = pts[t1] + (pts[t2] - pts[t1]) * (x - math.log(t1)) / (math.log(t2) - math.log(t1))
-        if mode == "state_passing":
-            return r2 * 2 / n
-        parallel = 2 * (r2 - RELAY_SERIAL_SHARE)  # r2 = parallel / 2 + serial share
-        return parallel / n + RELAY_SERIAL_SHARE
 
     def collectives(self, cfg, q: int) -> list[tuple[str, int, float]]:
         """(name, count, bytes each GPU moves per call) of one step with q new tokens."""
@@ -169,10 +186,13 @@ class StepModel:
         ``nodes`` > 1 the PCP collectives cross the network (TP's stay inside a node)."""
         n, tp, mode, experts = cfg
         pairs = q * cached + q * q / 2
-        gpu = {"attention": self.kind_s("attention", q, pairs) / n,
-               "gemm": self.kind_s("gemm", q / n), "other": self.kind_s("other", q / n)}
-        gpu["moe"] = self.kind_s("moe", q) / n if experts == "sharded" else self.kind_s("moe", q / n)
-        gpu["gdn"] = self.kind_s("gdn", q) * (self.gdn_ratio(mode, n, q) if n > 1 else 1.0)
+        gpu = {"attention": self.kind_s("attention", q, pairs), "gdn": self.kind_s("gdn", q),
+               "moe": self.kind_s("moe", q), "gemm": self.kind_s("gemm", q), "other": self.kind_s("other", q)}
+        if n > 1:
+            f = self.factors(mode, q)
+            gpu = {k: v * self._gdn_or(k, f, mode, n) * f["imbalance"] for k, v in gpu.items()}
+            if experts == "sharded":  # 1/N of the experts on every row (not profiled split)
+                gpu["moe"] = self.kind_s("moe", q) / n
         if tp > 1:
             gpu = {k: v / tp if k != "other" else v for k, v in gpu.items()}
         def seconds(name, count, nbytes):
@@ -239,6 +259,18 @@ def multi_node(model: StepModel) -> None:
             print(f"{name:>36} " + " ".join(f"{vals[t]:>7.2f} ({base[t] / vals[t]:.2f}x)" for t in MULTI_NODE_LENGTHS))
 
 
+def faster_gdn_mode(model: StepModel) -> None:
+    """Which GDN mode the model predicts faster, per N and length (one step): a default chosen per N
+    would follow it only by more than the validation error, since relay keeps pcp=1's bits."""
+    print("\nfaster GDN mode (one step), predicted: relay / state passing TTFT")
+    for n in (2, 4, 8):
+        cells = []
+        for t in LENGTHS:
+            relay, sp = (model.ttft(CONFIGS[f"pcp{n}{suffix}"], t) for suffix in ("", "_state_passing"))
+            cells.append(f"{t // 1024}k: {'relay' if relay <= sp else 'state passing'} ({relay / sp:.2f})")
+        print(f"  pcp{n}: " + ", ".join(cells))
+
+
 def breakdown(model: StepModel, tokens: int = 131072) -> None:
     print(f"\none step of {tokens // 1024}k tokens, per rank (ms):")
     kinds = ("attention", "gdn", "moe", "gemm", "other", "communication", "host", "total")
@@ -267,19 +299,25 @@ def main():
     parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/predict_ttft")
     parser.add_argument("--profile", action="store_true",
-                        help="remake the pcp=1 profiles at 32k and 128k on this machine's GPU into --out")
+                        help="remake the profiles at 32k and 128k on this machine's GPU into --out: pcp=1 "
+                             "(40 layers) and, every rank on GPU 0, pcp=1 and pcp=2 split (8 layers)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.profile:
+        script = [sys.executable, str(REPO / "benchmarks" / "profile_prefill.py")]
         for tokens, name in ((32768, "32k"), (131072, "128k")):
-            subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_prefill.py"), "--out",
-                            str(out / name), "--tokens", str(tokens), "--configs", "pcp1"], check=True)
-        print(f"profiles in {out}; copy them to {PROFILES} to use them")
+            subprocess.run([*script, "--out", str(out / "pcp1" / name), "--tokens", str(tokens),
+                            "--configs", "pcp1"], check=True)
+            subprocess.run([*script, "--out", str(out / "split" / name), "--tokens", str(tokens),
+                            "--configs", "pcp1", *SPLIT_CONFIGS.values(), "--shared-gpu", "--layers", "8"],
+                           check=True)
+        print(f"profiles in {out}/pcp1 and {out}/split; copy them to {PROFILES} and {SPLIT_PROFILES}")
         return
     model = StepModel()
     worst = validate(model)
     tables(model)
+    faster_gdn_mode(model)
     breakdown(model)
     multi_node(model)
     plot(model, str(out / "predict_ttft.png"))

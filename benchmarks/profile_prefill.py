@@ -29,7 +29,8 @@ from benchmarks.plot import save_figure  # noqa: E402
 
 # first match wins: FA3's kernels are cutlass templates, so attention comes before GEMM
 KINDS = (
-    ("communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce|cross_device"),
+    # host copies: a shared-GPU engine's collectives (on GPUs of their own, a step's few input copies)
+    ("communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce|cross_device|memcpy (dtoh|htod)"),
     ("attention", r"flash|fmha|attn|attention"),
     ("gdn", r"chunk|solve_tril|recompute_w_u|kkt|delta_rule|causal_conv1d|fused_recurrent|l2norm|"
             r"merge_16x16|gdn|post_conv|cumsum"),
@@ -56,19 +57,38 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def summarize_trace(events: list[dict], top: int = 15) -> dict:
-    """Per-kind kernel milliseconds, busy and span milliseconds, and the top kernels of one rank."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENTS]
+    """Per-kind kernel milliseconds, busy and span milliseconds, the top kernels of one rank, and its
+    compute milliseconds (every kind but communication) between one copy to the host and the next
+    (``segments_ms``: on a shared GPU every collective starts with one)."""
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENTS),
+                 key=lambda e: e["ts"])
     if not gpu:
         return {}
-    kinds, by_name = dict.fromkeys(KIND_NAMES, 0.0), {}
+    kinds, by_name, segments = dict.fromkeys(KIND_NAMES, 0.0), {}, [0.0]
     for e in gpu:
-        kinds[kind_of(e["name"])] += e["dur"] / 1e3
+        kind = kind_of(e["name"])
+        kinds[kind] += e["dur"] / 1e3
         by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"] / 1e3
+        if "memcpy dtoh" in e["name"].lower():
+            segments.append(0.0)
+        elif kind != "communication":
+            segments[-1] += e["dur"] / 1e3
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
     span = max(e for _, e in intervals) - min(s for s, _ in intervals)
     names = sorted(by_name, key=by_name.get, reverse=True)[:top]
     return {"kinds_ms": kinds, "busy_ms": _busy_us(intervals) / 1e3, "span_ms": span / 1e3,
-            "kernels": len(gpu), "top": [[n[:120], kind_of(n), by_name[n]] for n in names]}
+            "kernels": len(gpu), "top": [[n[:120], kind_of(n), by_name[n]] for n in names],
+            "segments_ms": segments}
+
+
+def critical_path_ms(ranks: list[dict]) -> float:
+    """GPU compute time of one step on N GPUs of its own from each rank's profile: ranks meet at every
+    collective, so each stretch between two collectives lasts as long as its slowest rank. Where the
+    ranks' collectives do not pair up, the slowest rank's compute time."""
+    segments = [r["segments_ms"] for r in ranks]
+    if len({len(s) for s in segments}) == 1:
+        return sum(max(column) for column in zip(*segments))
+    return max(sum(s) for s in segments)
 
 
 def summarize_dir(trace_dir: str) -> dict:
@@ -84,10 +104,12 @@ def summarize_dir(trace_dir: str) -> dict:
     return out
 
 
-def child(model: str, config: str, tokens: int, trace_dir: str, path: str, compiled: bool) -> None:
+def child(model: str, config: str, tokens: int, trace_dir: str, path: str, compiled: bool,
+          shared_gpu: bool) -> None:
     from vllm import SamplingParams
 
-    llm = bench_ttft.engine(model, config, tokens, compiled, profiler_config=dict(
+    kw = bench_ttft.shared_gpu_engine_args(config) if shared_gpu else {}
+    llm = bench_ttft.engine(model, config, tokens, compiled, **kw, profiler_config=dict(
         profiler="torch", torch_profiler_dir=os.path.abspath(trace_dir), torch_profiler_with_stack=False,
         torch_profiler_dump_cuda_time_total=False))
     sp, p = SamplingParams(max_tokens=1, temperature=0.0), bench_ttft.prompt(tokens)
@@ -99,7 +121,7 @@ def child(model: str, config: str, tokens: int, trace_dir: str, path: str, compi
     llm.stop_profile()
     with open(path, "w") as f:
         json.dump({"tokens": tokens, "profiled_wall_s": wall, "mode": bench_ttft.mode(compiled),
-                   "kkt_configs": bench_ttft.kkt_configs()}, f)
+                   "kkt_configs": bench_ttft.kkt_configs(), "shared_gpu": shared_gpu}, f)
 
 
 def main():
@@ -110,23 +132,31 @@ def main():
                         choices=list(bench_ttft.CONFIGS))
     parser.add_argument("--kkt-configs", choices=list(bench_ttft.KKT_ENV), default="race_free")
     parser.add_argument("--compiled", action="store_true", help="torch.compile + CUDA graphs (vLLM's default)")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="every rank on GPU 0, taking turns between collectives (each rank's kernels "
+                             "run alone: their times are those of a GPU per rank; the wall time is not)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the model's first layers only (a multiple of 4), e.g. to fit every rank's "
+                             "whole experts on one GPU with --shared-gpu")
     parser.add_argument("--model", default=None)
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # config, trace dir, result path
     args = parser.parse_args()
     if args.child:
         config, trace_dir, path = args.child
-        child(args.model, config, args.tokens, trace_dir, path, args.compiled)
+        child(args.model, config, args.tokens, trace_dir, path, args.compiled, args.shared_gpu)
         return
     os.makedirs(args.out, exist_ok=True)
     if not args.report_only:
-        model = args.model or bench_ttft.checkpoint(args.out)
+        model = args.model or bench_ttft.checkpoint(args.out, args.layers)
         for config in args.configs:
             trace_dir = os.path.join(args.out, f"trace_{config}")
             os.makedirs(trace_dir, exist_ok=True)
             argv = [__file__, "--model", model, "--tokens", str(args.tokens), "--child", config, trace_dir,
                     os.path.join(args.out, f"profile_{config}.json")] + ["--compiled"] * args.compiled
-            bench_ttft.run_child(argv, os.path.join(args.out, f"profile_{config}.log"), args.kkt_configs)
+            argv += ["--shared-gpu"] * args.shared_gpu
+            bench_ttft.run_child(argv, os.path.join(args.out, f"profile_{config}.log"), args.kkt_configs,
+                                 shared_gpu=args.shared_gpu)
     report(args.out, args.configs)
 
 
@@ -135,16 +165,21 @@ def report(out: str, configs: list[str]) -> None:
     for config in configs:
         result = os.path.join(out, f"profile_{config}.json")
         meta = json.load(open(result)) if os.path.exists(result) else {}
-        for rank, summary in summarize_dir(os.path.join(out, f"trace_{config}")).items():
+        ranks = summarize_dir(os.path.join(out, f"trace_{config}"))
+        critical = critical_path_ms(list(ranks.values())) if ranks else None
+        for rank, summary in ranks.items():
             rows[f"{config}/{rank}"] = dict(summary, profiled_wall_s=meta.get("profiled_wall_s"),
-                                            mode=meta.get("mode", "eager"))
+                                            mode=meta.get("mode", "eager"), critical_ms=critical,
+                                            shared_gpu=meta.get("shared_gpu", False))
     modes = "/".join(sorted({r["mode"] for r in rows.values()})) or "eager"
     print(f"GPU time of one profiled prefill (ms), Qwen3.6-35B-A3B shape, dummy weights, {modes}")
-    print(f"{'config/rank':>28} | " + " | ".join(f"{k[:8]:>8}" for k in KIND_NAMES) + " |     busy |     span | wall (s)")
+    print("critical: the ranks' compute time on GPUs of their own (the slowest rank between collectives)")
+    print(f"{'config/rank':>28} | " + " | ".join(f"{k[:8]:>8}" for k in KIND_NAMES)
+          + " |     busy |     span | critical | wall (s)")
     for name, r in rows.items():
         wall = f"{r['profiled_wall_s']:.3f}" if r["profiled_wall_s"] else "?"
         print(f"{name:>28} | " + " | ".join(f"{r['kinds_ms'][k]:8.1f}" for k in KIND_NAMES)
-              + f" | {r['busy_ms']:8.1f} | {r['span_ms']:8.1f} | {wall}")
+              + f" | {r['busy_ms']:8.1f} | {r['span_ms']:8.1f} | {r['critical_ms']:8.1f} | {wall}")
     with open(os.path.join(out, "profile_prefill.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

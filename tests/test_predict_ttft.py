@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -30,3 +32,22 @@ def test_pcp_collectives_cross_the_network_and_tp_stays_inside():
     assert rows["tp all-reduce"] == 2 * 7 / 8 * 65536 * 2048 * 2
     ttft = {name: model.ttft(c, 131072, None, n) for name, (c, n) in MULTI_NODE.items()}
     assert ttft["4 nodes, tp8 x pcp4, relay"] < ttft["2 nodes, tp8 x pcp2, relay"] < ttft["1 node, tp8"]
+
+
+def test_a_pcp2_rank_takes_its_profiled_share_and_the_relay_waits_for_the_whole_recurrence():
+    from benchmarks.predict_ttft import CONFIGS, RELAY_SERIAL_SHARE, SPLIT_CONFIGS, SPLIT_PROFILES, StepModel, load
+
+    model = StepModel()
+    for tokens, name in ((32768, "32k"), (131072, "128k")):
+        rows = load(SPLIT_PROFILES / name / "profile_prefill.json")
+        for mode, config in SPLIT_CONFIGS.items():
+            ranks = [r for key, r in rows.items() if key.startswith(config + "/")]
+            share = sum(r["kinds_ms"]["moe"] for r in ranks) / len(ranks) / rows["pcp1/rank0"]["kinds_ms"]["moe"]
+            step = model.step(CONFIGS["pcp2" if mode == "relay" else "pcp2_state_passing"], tokens, 0)
+            imbalance = model.factors(mode, tokens)["imbalance"]
+            assert step["moe"] == pytest.approx(model.kind_s("moe", tokens) * share * imbalance)
+    for n in (2, 4, 8):  # the relay's recurrence runs rank after rank: it never shrinks below its share
+        gdn = model.step(CONFIGS[f"pcp{n}"], 131072, 0)["gdn"]
+        assert gdn > RELAY_SERIAL_SHARE * model.kind_s("gdn", 131072)
+    sp8 = model.step(CONFIGS["pcp8_state_passing"], 131072, 0)["gdn"]
+    assert sp8 < RELAY_SERIAL_SHARE * model.kind_s("gdn", 131072)

@@ -40,9 +40,9 @@ def test_summary_counts_overlap_once_and_ignores_host_events(tmp_path):
     ]
     summary = profile_prefill.summarize_trace(events)
     assert summary["kinds_ms"]["moe"] == pytest.approx(0.1)
-    assert summary["kinds_ms"]["communication"] == pytest.approx(0.1)
+    assert summary["kinds_ms"]["communication"] == pytest.approx(0.11)  # host copies count as such
     assert summary["kinds_ms"]["gemm"] == pytest.approx(0.05)
-    assert summary["kinds_ms"]["other"] == pytest.approx(0.01)
+    assert summary["kinds_ms"]["other"] == 0
     assert summary["busy_ms"] == pytest.approx(0.21)  # [0, 150) + [300, 350) + [400, 410)
     assert summary["span_ms"] == pytest.approx(0.41)
     assert summary["kernels"] == 4
@@ -53,3 +53,22 @@ def test_summary_counts_overlap_once_and_ignores_host_events(tmp_path):
     with gzip.open(host_only, "wt") as f:
         json.dump({"traceEvents": events[-1:]}, f)
     assert list(profile_prefill.summarize_dir(str(tmp_path))) == ["rank0"]
+
+
+def test_critical_path_takes_the_slowest_rank_between_collectives():
+    def rank(*stretches_us):
+        events, ts = [], 0
+        for i, us in enumerate(stretches_us):
+            if i:
+                events.append(_kernel("Memcpy DtoH (Device -> Pageable)", ts, 5, cat="gpu_memcpy"))
+                events.append(_kernel("Memcpy HtoD (Pageable -> Device)", ts + 10, 5, cat="gpu_memcpy"))
+                ts += 20
+            events.append(_kernel("fused_moe_kernel", ts, us))
+            ts += us
+        return profile_prefill.summarize_trace(events)
+
+    r0, r1 = rank(100, 300, 100), rank(200, 100, 100)
+    assert r0["segments_ms"] == pytest.approx([0.1, 0.3, 0.1])
+    assert profile_prefill.critical_path_ms([r0, r1]) == pytest.approx(0.2 + 0.3 + 0.1)
+    # collectives that do not pair up: the slowest rank's compute time
+    assert profile_prefill.critical_path_ms([r0, rank(600)]) == pytest.approx(0.6)

@@ -1,5 +1,9 @@
 """The host-staged communicator that lets the GPU checks run pcp=2 on one GPU moves exact bytes."""
 
+import os
+import time
+
+import pytest
 import torch
 
 from tests.dist import run_distributed
@@ -30,3 +34,29 @@ def test_host_staged_collectives_match_their_definitions():
         assert torch.allclose(r["sum"], r0["x"].float() + r1["x"].float())
         assert torch.equal(r["scatter"], torch.full((2, 2), 3.0))
     assert torch.equal(r1["recv"], r0["x"])
+
+
+def _work_between_collectives(rank, group, lock):
+    """Three stretches of "GPU work" (50 ms while holding a turn) with an all-gather after each."""
+    from tests.gpu.shared_gpu import TURNS_ENV, HostStagedCommunicator, Turns
+
+    if lock:
+        os.environ[TURNS_ENV] = lock
+        Turns.open()
+    comm = HostStagedCommunicator(group.cpu_group, device=torch.device("cpu"))
+    spans = []
+    Turns.take()
+    for _ in range(3):
+        start = time.monotonic()
+        time.sleep(0.05)
+        spans.append((start, time.monotonic()))
+        comm.all_gather(torch.ones(2), 0)
+    Turns.give()
+    return spans
+
+
+@pytest.mark.parametrize("turns", [True, False])
+def test_ranks_taking_turns_never_work_at_once(tmp_path, turns):
+    r0, r1 = run_distributed(_work_between_collectives, 2, str(tmp_path / "turns.lock") if turns else "")
+    overlaps = [(a, b) for a in r0 for b in r1 if a[0] < b[1] and b[0] < a[1]]
+    assert not overlaps if turns else overlaps  # without turns both ranks work at once

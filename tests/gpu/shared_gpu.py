@@ -14,62 +14,128 @@ the CUDA platform to these communicators before the worker joins the distributed
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import math
+import os
+
 import torch
 import torch.distributed as dist
 from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
 from vllm.platforms import current_platform
 from vllm.v1.worker.gpu_worker import Worker
 
+TURNS_ENV = "QWEN36_PCP_SHARED_TURNS"
+
+
+class Turns:
+    """With ``QWEN36_PCP_SHARED_TURNS=<lock file>``, one rank at a time on the shared GPU.
+
+    A rank holds the lock while it runs a step and gives it up (after its kernels finished) while it
+    waits in a collective, so every kernel runs alone on the GPU, as on a GPU of its own: a profiler's
+    kernel times per rank are then those of N GPUs (benchmarks/profile_prefill.py ``--shared-gpu``).
+    Ranks wait for each other only in collectives, so taking turns cannot deadlock.
+    """
+
+    fd: int | None = None
+    held = False
+
+    @classmethod
+    def open(cls) -> None:
+        path = os.environ.get(TURNS_ENV)
+        if path and cls.fd is None:
+            cls.fd = os.open(path, os.O_CREAT | os.O_RDWR)
+
+    @classmethod
+    def take(cls) -> bool:
+        if cls.fd is None or cls.held:
+            return False
+        fcntl.flock(cls.fd, fcntl.LOCK_EX)
+        cls.held = True
+        return True
+
+    @classmethod
+    def give(cls) -> None:
+        if cls.held:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            fcntl.flock(cls.fd, fcntl.LOCK_UN)
+            cls.held = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def paused(cls):
+        """Around a collective: the other ranks run until they reach it too."""
+        held = cls.held
+        cls.give()
+        try:
+            yield
+        finally:
+            if held:
+                cls.take()
+
 
 class HostStagedCommunicator(DeviceCommunicatorBase):
-    """DeviceCommunicatorBase's collectives through host memory on the group's gloo group."""
+    """DeviceCommunicatorBase's collectives through host memory on the group's gloo group.
 
-    def _host(self, x: torch.Tensor) -> torch.Tensor:
+    The GPU only copies to and from the host (no kernel of its own: sums, concatenation and casts run
+    on the host), so a profile tells these copies from the model's kernels by their kind."""
+
+    @staticmethod
+    def _host(x: torch.Tensor) -> torch.Tensor:
         # exact copies of any dtype: move raw bytes
         return x.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
 
-    def _back(self, raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return raw.view(like.dtype).reshape(like.shape).to(like.device)
-
-    def _gather_list(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gather_host(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x``, on the host."""
         raw = self._host(x)
         parts = [torch.empty_like(raw) for _ in range(self.world_size)]
-        dist.all_gather(parts, raw, group=self.cpu_group)
-        return [self._back(p, x) for p in parts]
+        with Turns.paused():
+            dist.all_gather(parts, raw, group=self.cpu_group)
+        return [p.view(x.dtype).reshape(x.shape) for p in parts]
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return torch.cat(self._gather_list(input_), dim=dim % input_.dim())
+        return torch.cat(self._gather_host(input_), dim=dim % input_.dim()).to(input_.device)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         out = self.all_gather(input_, dim)
         return out if self.rank_in_group == dst else None
 
+    def _sum_host(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's sum of ``x`` in fp32 on the host, cast back to ``x``'s dtype."""
+        host = x.detach().cpu().float()
+        with Turns.paused():
+            dist.all_reduce(host, group=self.cpu_group)
+        return host.to(x.dtype)
+
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        host = input_.detach().float().cpu()
-        dist.all_reduce(host, group=self.cpu_group)
-        input_.copy_(host.to(input_.device, input_.dtype))
+        input_.copy_(self._sum_host(input_))
         return input_
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        summed = self.all_reduce(input_.clone())
-        return summed.chunk(self.world_size, dim=dim % input_.dim())[self.rank_in_group].contiguous()
+        summed = self._sum_host(input_)
+        part = summed.chunk(self.world_size, dim=dim % input_.dim())[self.rank_in_group]
+        return part.contiguous().to(input_.device)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         raw = self._host(tensor)
-        dist.broadcast(raw, self.ranks[src], group=self.cpu_group)
-        tensor.copy_(self._back(raw, tensor))
+        with Turns.paused():
+            dist.broadcast(raw, self.ranks[src], group=self.cpu_group)
+        tensor.copy_(raw.view(tensor.dtype).reshape(tensor.shape))
         return tensor
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         dst = (self.rank_in_group + 1) % self.world_size if dst is None else dst
-        dist.send(self._host(tensor), self.ranks[dst], group=self.cpu_group)
+        raw = self._host(tensor)
+        with Turns.paused():
+            dist.send(raw, self.ranks[dst], group=self.cpu_group)
 
     def recv(self, size: torch.Size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         src = (self.rank_in_group - 1) % self.world_size if src is None else src
-        like = torch.empty(size, dtype=dtype, device=self.device)
-        raw = self._host(like)
-        dist.recv(raw, self.ranks[src], group=self.cpu_group)
-        return self._back(raw, like)
+        raw = torch.empty(math.prod(size) * dtype.itemsize, dtype=torch.uint8)
+        with Turns.paused():
+            dist.recv(raw, self.ranks[src], group=self.cpu_group)
+        return raw.view(dtype).reshape(size).to(self.device)
 
 
 class SharedGPUWorker(Worker):
@@ -89,6 +155,23 @@ class SharedGPUWorker(Worker):
             super().init_device()
         finally:
             torch.accelerator.device_count = real_count
+        Turns.open()
+
+    def execute_model(self, scheduler_output):
+        taken = Turns.take()
+        try:
+            return super().execute_model(scheduler_output)
+        finally:
+            if taken:
+                Turns.give()
+
+    def sample_tokens(self, grammar_output):
+        taken = Turns.take()
+        try:
+            return super().sample_tokens(grammar_output)
+        finally:
+            if taken:
+                Turns.give()
 
 
 type(current_platform).dist_backend = "gloo"
