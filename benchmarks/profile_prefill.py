@@ -78,7 +78,22 @@ def summarize_trace(events: list[dict], top: int = 15) -> dict:
     names = sorted(by_name, key=by_name.get, reverse=True)[:top]
     return {"kinds_ms": kinds, "busy_ms": _busy_us(intervals) / 1e3, "span_ms": span / 1e3,
             "kernels": len(gpu), "top": [[n[:120], kind_of(n), by_name[n]] for n in names],
-            "segments_ms": segments}
+            "segments_ms": segments, "by_kernel_ms": by_name}
+
+
+def beyond_share(rank: dict, pcp1: dict, n: int, top: int = 6) -> tuple[float, list]:
+    """Kernel milliseconds a pcp=n rank spends beyond 1/n of pcp=1's, kernel by kernel (host copies left
+    out): the split step's own work (copies, concatenations, index work). GEMMs count as one, since
+    cuBLAS picks its kernels by shape. Returns the total and the largest ``top``."""
+    extra = {}
+    for times, scale in ((rank["by_kernel_ms"], 1.0), (pcp1["by_kernel_ms"], -1.0 / n)):
+        for k, ms in times.items():
+            kind = kind_of(k)
+            if kind != "communication":
+                key = "GEMMs (cuBLAS)" if kind == "gemm" else k
+                extra[key] = extra.get(key, 0.0) + scale * ms
+    largest = sorted(extra, key=extra.get, reverse=True)[:top]
+    return sum(extra.values()), [[k[:120], kind_of(k), extra[k]] for k in largest]
 
 
 def critical_path_ms(ranks: list[dict]) -> float:
@@ -171,6 +186,17 @@ def report(out: str, configs: list[str]) -> None:
             rows[f"{config}/{rank}"] = dict(summary, profiled_wall_s=meta.get("profiled_wall_s"),
                                             mode=meta.get("mode", "eager"), critical_ms=critical,
                                             shared_gpu=meta.get("shared_gpu", False))
+    extra_lines = []
+    if "pcp1/rank0" in rows:
+        for name, r in rows.items():
+            config = name.split("/")[0]
+            n = sum(k.startswith(config + "/") for k in rows)
+            if config.startswith("pcp") and n > 1:
+                r["beyond_pcp1_share_ms"], r["beyond_pcp1_share_top"] = beyond_share(r, rows["pcp1/rank0"], n)
+                extra_lines.append(f"{name:>28} | {r['beyond_pcp1_share_ms']:+7.2f} | " + ", ".join(
+                    f"{k[:40]} {ms:+.2f}" for k, _, ms in r["beyond_pcp1_share_top"][:3]))
+    for r in rows.values():
+        r.pop("by_kernel_ms")
     modes = "/".join(sorted({r["mode"] for r in rows.values()})) or "eager"
     print(f"GPU time of one profiled prefill (ms), Qwen3.6-35B-A3B shape, dummy weights, {modes}")
     print("critical: the ranks' compute time on GPUs of their own (the slowest rank between collectives)")
@@ -180,6 +206,9 @@ def report(out: str, configs: list[str]) -> None:
         wall = f"{r['profiled_wall_s']:.3f}" if r["profiled_wall_s"] else "?"
         print(f"{name:>28} | " + " | ".join(f"{r['kinds_ms'][k]:8.1f}" for k in KIND_NAMES)
               + f" | {r['busy_ms']:8.1f} | {r['span_ms']:8.1f} | {r['critical_ms']:8.1f} | {wall}")
+    if extra_lines:
+        print("\nkernel time beyond 1/N of pcp=1's (ms; host copies left out): total | largest kernels")
+        print("\n".join(extra_lines))
     with open(os.path.join(out, "profile_prefill.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

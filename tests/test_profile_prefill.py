@@ -72,3 +72,18 @@ def test_critical_path_takes_the_slowest_rank_between_collectives():
     assert profile_prefill.critical_path_ms([r0, r1]) == pytest.approx(0.2 + 0.3 + 0.1)
     # collectives that do not pair up: the slowest rank's compute time
     assert profile_prefill.critical_path_ms([r0, rank(600)]) == pytest.approx(0.6)
+
+
+def test_beyond_share_counts_a_ranks_kernels_over_its_1_over_n_of_pcp1():
+    pcp1 = profile_prefill.summarize_trace([
+        _kernel("nvjet_sm90_tst_256x128_TNT", 0, 400), _kernel("chunk_fwd_kernel_o", 400, 200),
+        _kernel("Memcpy HtoD (Pageable -> Device)", 600, 50, cat="gpu_memcpy")])
+    rank = profile_prefill.summarize_trace([
+        _kernel("nvjet_sm90_tst_192x192_TNN", 0, 210),   # cuBLAS picked another GEMM for fewer rows
+        _kernel("chunk_fwd_kernel_o", 210, 130),
+        _kernel("CatArrayBatchedCopy", 340, 20),          # the split step's own work
+        _kernel("Memcpy DtoH (Device -> Pageable)", 360, 500, cat="gpu_memcpy")])  # a collective
+    total, top = profile_prefill.beyond_share(rank, pcp1, 2)
+    assert total == pytest.approx(0.01 + 0.03 + 0.02)
+    assert [(name, round(ms, 3)) for name, _, ms in top] == [
+        ("chunk_fwd_kernel_o", 0.03), ("CatArrayBatchedCopy", 0.02), ("GEMMs (cuBLAS)", 0.01)]
