@@ -68,15 +68,12 @@ def engine(model: str, config: str, longest: int, compiled: bool = False, **kw):
                 gdn_prefill_backend="triton", enforce_eager=not compiled, max_model_len=longest + 16,
                 max_num_batched_tokens=longest, gpu_memory_utilization=0.85, seed=0,
                 enable_prefix_caching=False)  # every rep a full prefill
-    return LLM(**{**args, **CONFIGS[config], **kw})
-
-
-SHARED_TURNS_LOCK = "/tmp/qwen36_pcp_shared_turns.lock"
+    return LLM(**{**args, **CONFIGS[config], **kw})  # kw may replace a default (the shared GPU's memory)
 
 
 def shared_gpu_engine_args(config: str) -> dict:
     """Every rank of ``config`` on GPU 0 (tests/gpu/shared_gpu.py), taking turns between collectives
-    (``run_child(shared_gpu=True)`` sets the lock): each rank's kernels run alone, so per-rank kernel
+    (``run_child(turns_lock=...)`` names the lock): each rank's kernels run alone, so per-rank kernel
     times are those of one GPU per rank. The ranks share the GPU's memory."""
     cfg = CONFIGS[config]
     ranks = cfg.get("tensor_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1)
@@ -109,17 +106,17 @@ def checkpoint(out: str, layers: int | None = None) -> str:
 
 
 def run_child(argv: list[str], log_path: str, kkt_configs: str, in_process: bool = False,
-              shared_gpu: bool = False) -> None:
+              turns_lock: str | None = None) -> None:
     """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs;
     a failure is reported and the next config runs. ``in_process``: the engine core in that process;
-    ``shared_gpu``: its ranks take turns on GPU 0 (``shared_gpu_engine_args``)."""
+    ``turns_lock``: the lock file by which a shared-GPU engine's ranks take turns (``shared_gpu_engine_args``)."""
     # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc with a function (peak_memory_per_rank)
     env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs],
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if shared_gpu:
-        env["QWEN36_PCP_SHARED_TURNS"] = SHARED_TURNS_LOCK
+    if turns_lock:
+        env["QWEN36_PCP_SHARED_TURNS"] = turns_lock
     with open(log_path, "w") as log:
         rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:

@@ -13,12 +13,15 @@ The model of one prefill step of T new tokens (Qwen3.6-35B-A3B shape, eager, bf1
   (relay; state passing) on one H200, every rank's kernels alone on the GPU in turn, at 32k and 128k
   (``profile_prefill_split_1xh200_2026-12-02``: the model's first 8 layers, whole experts). Per kind,
   a rank's kernel time over pcp=1's (about 0.5; more where the split step copies and indexes), and
-  the step's critical path (the slowest rank between two collectives) over the sum of the kinds, both
-  interpolated in log T and held at the ends. Other N: each kind's share scales by 2/N, except the
-  relay's state recurrence (fla's ``chunk_..._fwd_kernel_h``, 19% of GDN time at pcp=1 at both
-  lengths), which runs rank after rank over the whole prompt; the critical-path ratio is kept. Beyond
-  N = 2 this is modelled, not measured. Sharded experts: 1/N of pcp=1's MoE time (not profiled split:
-  their collectives through host memory make the shared-GPU engine too slow at these lengths).
+  ``imbalance``: the step's critical path (the slowest rank between two collectives) over what the
+  per-kind shares give (with the relay's chain below) at N = 2; both interpolated in log T and held
+  at the ends. Other N: each kind's share scales by 2/N, except the relay's state recurrence (fla's
+  ``chunk_..._fwd_kernel_h``, 19% of GDN time at pcp=1 at both lengths), which runs rank after rank
+  over the whole prompt; ``imbalance`` is kept. Beyond N = 2 this is modelled, not measured, and
+  leaves out what grows with N: state passing's fold over the runs of blocks, and the per-step
+  work in "other" that does not divide (the shares are applied to a 40-layer profile whose fixed
+  per-step part is 8/40 of the profiled model's). Sharded experts: 1/N of pcp=1's MoE time (not
+  profiled split: their collectives through host memory make the shared-GPU engine too slow there).
 - **Collectives**, bytes from the plan and the model: per attention layer the new K/V all-gather; per
   GDN layer the conv-halo all-gather and, relay, 2N-1 serial end-state hand-offs (fp32 [heads, K, V]) or,
   state passing, one all-gather of the [V+K, K] fp32 summaries; with sharded experts an all-gather and
@@ -99,7 +102,8 @@ def load(path: Path):
 
 
 class StepModel:
-    """Per-kind GPU time fits at pcp=1 and the measured GDN ratios; ``step(T, keys0, config)`` in s."""
+    """Per-kind GPU time fits at pcp=1 and a pcp=2 rank's measured shares; ``step(q, cached, config)``
+    in s."""
 
     def __init__(self):
         prof = {n: load(PROFILES / d / "profile_prefill.json")["pcp1/rank0"] for n, d in
@@ -126,6 +130,7 @@ class StepModel:
             base = rows["pcp1/rank0"]["kinds_ms"]
             for mode, config in SPLIT_CONFIGS.items():
                 ranks = [r for name, r in rows.items() if name.startswith(config + "/")]
+                assert ranks[0]["critical_paired"], f"{config} at {d}: the ranks' collectives did not pair up"
                 factors = {k: sum(r["kinds_ms"][k] for r in ranks) / len(ranks) / base[k] for k in base
                            if k != "communication"}
                 modelled = sum(base[k] * self._gdn_or(k, factors, mode, 2) for k in factors)

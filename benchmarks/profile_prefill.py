@@ -58,27 +58,27 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 def summarize_trace(events: list[dict], top: int = 15) -> dict:
     """Per-kind kernel milliseconds, busy and span milliseconds, the top kernels of one rank, and its
-    compute milliseconds (every kind but communication) between one copy to the host and the next
-    (``segments_ms``: on a shared GPU every collective starts with one)."""
+    GPU-busy milliseconds of compute (every kind but communication) between one copy to the host and
+    the next (``segments_ms``: on a shared GPU every collective starts with one on every rank)."""
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENTS),
                  key=lambda e: e["ts"])
     if not gpu:
         return {}
-    kinds, by_name, segments = dict.fromkeys(KIND_NAMES, 0.0), {}, [0.0]
+    kinds, by_name, segments = dict.fromkeys(KIND_NAMES, 0.0), {}, [[]]
     for e in gpu:
         kind = kind_of(e["name"])
         kinds[kind] += e["dur"] / 1e3
         by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"] / 1e3
         if "memcpy dtoh" in e["name"].lower():
-            segments.append(0.0)
+            segments.append([])
         elif kind != "communication":
-            segments[-1] += e["dur"] / 1e3
+            segments[-1].append((e["ts"], e["ts"] + e["dur"]))
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
     span = max(e for _, e in intervals) - min(s for s, _ in intervals)
     names = sorted(by_name, key=by_name.get, reverse=True)[:top]
     return {"kinds_ms": kinds, "busy_ms": _busy_us(intervals) / 1e3, "span_ms": span / 1e3,
             "kernels": len(gpu), "top": [[n[:120], kind_of(n), by_name[n]] for n in names],
-            "segments_ms": segments, "by_kernel_ms": by_name}
+            "segments_ms": [_busy_us(s) / 1e3 for s in segments], "by_kernel_ms": by_name}
 
 
 def beyond_share(rank: dict, pcp1: dict, n: int, top: int = 6) -> tuple[float, list]:
@@ -96,14 +96,15 @@ def beyond_share(rank: dict, pcp1: dict, n: int, top: int = 6) -> tuple[float, l
     return sum(extra.values()), [[k[:120], kind_of(k), extra[k]] for k in largest]
 
 
-def critical_path_ms(ranks: list[dict]) -> float:
-    """GPU compute time of one step on N GPUs of its own from each rank's profile: ranks meet at every
-    collective, so each stretch between two collectives lasts as long as its slowest rank. Where the
-    ranks' collectives do not pair up, the slowest rank's compute time."""
+def critical_path_ms(ranks: list[dict]) -> tuple[float, bool]:
+    """GPU compute time of one step on N GPUs of their own from each rank's profile, and whether the
+    ranks' collectives paired up. Ranks meet at every collective, so each stretch between two lasts as
+    long as its slowest rank. Where the ranks' copies to the host do not pair up (another count per
+    rank), only the slowest rank's compute time: a lower bound, reported as unpaired."""
     segments = [r["segments_ms"] for r in ranks]
     if len({len(s) for s in segments}) == 1:
-        return sum(max(column) for column in zip(*segments))
-    return max(sum(s) for s in segments)
+        return sum(max(column) for column in zip(*segments)), True
+    return max(sum(s) for s in segments), False
 
 
 def summarize_dir(trace_dir: str) -> dict:
@@ -170,8 +171,9 @@ def main():
             argv = [__file__, "--model", model, "--tokens", str(args.tokens), "--child", config, trace_dir,
                     os.path.join(args.out, f"profile_{config}.json")] + ["--compiled"] * args.compiled
             argv += ["--shared-gpu"] * args.shared_gpu
+            turns_lock = os.path.join(os.path.abspath(args.out), "shared_gpu_turns.lock")
             bench_ttft.run_child(argv, os.path.join(args.out, f"profile_{config}.log"), args.kkt_configs,
-                                 shared_gpu=args.shared_gpu)
+                                 turns_lock=turns_lock if args.shared_gpu else None)
     report(args.out, args.configs)
 
 
@@ -181,11 +183,11 @@ def report(out: str, configs: list[str]) -> None:
         result = os.path.join(out, f"profile_{config}.json")
         meta = json.load(open(result)) if os.path.exists(result) else {}
         ranks = summarize_dir(os.path.join(out, f"trace_{config}"))
-        critical = critical_path_ms(list(ranks.values())) if ranks else None
+        critical, paired = critical_path_ms(list(ranks.values())) if ranks else (None, False)
         for rank, summary in ranks.items():
             rows[f"{config}/{rank}"] = dict(summary, profiled_wall_s=meta.get("profiled_wall_s"),
                                             mode=meta.get("mode", "eager"), critical_ms=critical,
-                                            shared_gpu=meta.get("shared_gpu", False))
+                                            critical_paired=paired, shared_gpu=meta.get("shared_gpu", False))
     extra_lines = []
     if "pcp1/rank0" in rows:
         for name, r in rows.items():
@@ -199,13 +201,15 @@ def report(out: str, configs: list[str]) -> None:
         r.pop("by_kernel_ms")
     modes = "/".join(sorted({r["mode"] for r in rows.values()})) or "eager"
     print(f"GPU time of one profiled prefill (ms), Qwen3.6-35B-A3B shape, dummy weights, {modes}")
-    print("critical: the ranks' compute time on GPUs of their own (the slowest rank between collectives)")
+    print("critical: the ranks' compute time on GPUs of their own (the slowest rank between collectives;"
+          " * where the ranks' collectives did not pair up: the slowest rank's total, a lower bound)")
     print(f"{'config/rank':>28} | " + " | ".join(f"{k[:8]:>8}" for k in KIND_NAMES)
           + " |     busy |     span | critical | wall (s)")
     for name, r in rows.items():
         wall = f"{r['profiled_wall_s']:.3f}" if r["profiled_wall_s"] else "?"
         print(f"{name:>28} | " + " | ".join(f"{r['kinds_ms'][k]:8.1f}" for k in KIND_NAMES)
-              + f" | {r['busy_ms']:8.1f} | {r['span_ms']:8.1f} | {r['critical_ms']:8.1f} | {wall}")
+              + f" | {r['busy_ms']:8.1f} | {r['span_ms']:8.1f} | {r['critical_ms']:7.1f}"
+              + f"{' ' if r['critical_paired'] else '*'} | {wall}")
     if extra_lines:
         print("\nkernel time beyond 1/N of pcp=1's (ms; host copies left out): total | largest kernels")
         print("\n".join(extra_lines))

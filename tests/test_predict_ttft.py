@@ -51,3 +51,17 @@ def test_a_pcp2_rank_takes_its_profiled_share_and_the_relay_waits_for_the_whole_
         assert gdn > RELAY_SERIAL_SHARE * model.kind_s("gdn", 131072)
     sp8 = model.step(CONFIGS["pcp8_state_passing"], 131072, 0)["gdn"]
     assert sp8 < RELAY_SERIAL_SHARE * model.kind_s("gdn", 131072)
+
+
+def test_at_n2_the_shares_give_back_each_profiled_critical_path():
+    """The factors, the relay's chain and the interpolation agree at the profiled points."""
+    from benchmarks.predict_ttft import SPLIT_CONFIGS, SPLIT_PROFILES, StepModel, load
+
+    model = StepModel()
+    for tokens, name in ((32768, "32k"), (131072, "128k")):
+        rows = load(SPLIT_PROFILES / name / "profile_prefill.json")
+        base = {k: ms for k, ms in rows["pcp1/rank0"]["kinds_ms"].items() if k != "communication"}
+        for mode, config in SPLIT_CONFIGS.items():
+            f = model.factors(mode, tokens)
+            gpu = sum(ms * model._gdn_or(k, f, mode, 2) * f["imbalance"] for k, ms in base.items())
+            assert gpu == pytest.approx(rows[f"{config}/rank0"]["critical_ms"], rel=1e-9)

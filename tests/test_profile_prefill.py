@@ -68,10 +68,15 @@ def test_critical_path_takes_the_slowest_rank_between_collectives():
         return profile_prefill.summarize_trace(events)
 
     r0, r1 = rank(100, 300, 100), rank(200, 100, 100)
-    assert r0["segments_ms"] == pytest.approx([0.1, 0.3, 0.1])
-    assert profile_prefill.critical_path_ms([r0, r1]) == pytest.approx(0.2 + 0.3 + 0.1)
-    # collectives that do not pair up: the slowest rank's compute time
-    assert profile_prefill.critical_path_ms([r0, rank(600)]) == pytest.approx(0.6)
+    assert r0["segments_ms"] == pytest.approx([0.1, 0.3, 0.1])  # split at each copy to the host, not back
+    critical, paired = profile_prefill.critical_path_ms([r0, r1])
+    assert paired and critical == pytest.approx(0.2 + 0.3 + 0.1)
+    # collectives that do not pair up: the slowest rank's compute time, flagged
+    assert profile_prefill.critical_path_ms([r0, rank(600)]) == (pytest.approx(0.6), False)
+    # kernels overlapping on two streams count once in their stretch
+    overlapped = profile_prefill.summarize_trace([_kernel("fused_moe_kernel", 0, 100),
+                                                  _kernel("nvjet_tst_gemm", 50, 100)])
+    assert overlapped["segments_ms"] == pytest.approx([0.15])
 
 
 def test_beyond_share_counts_a_ranks_kernels_over_its_1_over_n_of_pcp1():

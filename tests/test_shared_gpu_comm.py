@@ -17,7 +17,9 @@ def _collectives(rank, group):
     x = torch.randn(3, 5, dtype=torch.bfloat16)
     out = {"x": x, "gather0": comm.all_gather(x, 0), "gather1": comm.all_gather(x, -1),
            "bcast": comm.broadcast(x.clone(), src=1), "sum": comm.all_reduce(x.float().clone()),
-           "scatter": comm.reduce_scatter(torch.ones(4, 2) * (rank + 1), dim=0)}
+           "sum_bf16": comm.all_reduce(x.clone()),
+           "scatter": comm.reduce_scatter(torch.ones(4, 2) * (rank + 1), dim=0),
+           "scatter_bf16_dim1": comm.reduce_scatter(x[:, :4].clone(), dim=1)}
     if rank == 0:
         comm.send(x, dst=1)
     else:
@@ -32,31 +34,49 @@ def test_host_staged_collectives_match_their_definitions():
         assert torch.equal(r["gather1"], torch.cat([r0["x"], r1["x"]], 1))
         assert torch.equal(r["bcast"], r1["x"])
         assert torch.allclose(r["sum"], r0["x"].float() + r1["x"].float())
+        # bf16 sums in fp32, rounded once: the dtype stays
+        assert r["sum_bf16"].dtype == torch.bfloat16
+        assert torch.equal(r["sum_bf16"], (r0["x"].float() + r1["x"].float()).bfloat16())
         assert torch.equal(r["scatter"], torch.full((2, 2), 3.0))
+    for rank, r in enumerate((r0, r1)):
+        summed = (r0["x"][:, :4].float() + r1["x"][:, :4].float()).bfloat16()
+        assert r["scatter_bf16_dim1"].dtype == torch.bfloat16
+        assert torch.equal(r["scatter_bf16_dim1"], summed[:, 2 * rank: 2 * rank + 2])
     assert torch.equal(r1["recv"], r0["x"])
 
 
 def _work_between_collectives(rank, group, lock):
-    """Three stretches of "GPU work" (50 ms while holding a turn) with an all-gather after each."""
+    """Three stretches of "GPU work" (50 ms while holding a turn) with a collective after each: the
+    communicator's all-gather, and GroupCoordinator's broadcasts, which do not all go through it."""
     from tests.gpu.shared_gpu import TURNS_ENV, HostStagedCommunicator, Turns
 
     if lock:
         os.environ[TURNS_ENV] = lock
         Turns.open()
     comm = HostStagedCommunicator(group.cpu_group, device=torch.device("cpu"))
-    spans = []
+    def broadcast_through(communicator):
+        group.device_communicator = communicator
+        return group.broadcast(torch.full((2,), float(rank)), src=1)
+
+    collectives = [lambda: comm.all_gather(torch.ones(2), 0),
+                   lambda: group.broadcast_object(rank, src=1),      # vLLM's, on its cpu group
+                   lambda: broadcast_through(None),                  # vLLM's, on its device group
+                   lambda: broadcast_through(comm)]                  # the shared GPU's communicator
+    spans, got = [], []
     Turns.take()
-    for _ in range(3):
+    for collective in collectives:
         start = time.monotonic()
         time.sleep(0.05)
         spans.append((start, time.monotonic()))
-        comm.all_gather(torch.ones(2), 0)
+        got.append(collective())
     Turns.give()
+    assert got[1] == 1 and torch.equal(got[2], torch.ones(2)) and torch.equal(got[3], torch.ones(2)), got
     return spans
 
 
 @pytest.mark.parametrize("turns", [True, False])
 def test_ranks_taking_turns_never_work_at_once(tmp_path, turns):
-    r0, r1 = run_distributed(_work_between_collectives, 2, str(tmp_path / "turns.lock") if turns else "")
+    lock = str(tmp_path / "turns.lock") if turns else ""
+    r0, r1 = run_distributed(_work_between_collectives, 2, lock, timeout=60)
     overlaps = [(a, b) for a in r0 for b in r1 if a[0] < b[1] and b[0] < a[1]]
     assert not overlaps if turns else overlaps  # without turns both ranks work at once

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import math
 import os
 
 import torch
 import torch.distributed as dist
 from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
+from vllm.distributed.parallel_state import GroupCoordinator
 from vllm.platforms import current_platform
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -34,7 +36,9 @@ class Turns:
     A rank holds the lock while it runs a step and gives it up (after its kernels finished) while it
     waits in a collective, so every kernel runs alone on the GPU, as on a GPU of its own: a profiler's
     kernel times per rank are then those of N GPUs (benchmarks/profile_prefill.py ``--shared-gpu``).
-    Ranks wait for each other only in collectives, so taking turns cannot deadlock.
+    Within a step ranks wait for each other only in collectives: the communicator's below, and
+    GroupCoordinator's own on its gloo groups (``_pause_in_group_collectives``), so taking turns does
+    not deadlock.
     """
 
     fd: int | None = None
@@ -174,6 +178,32 @@ class SharedGPUWorker(Worker):
                 Turns.give()
 
 
+def _pause_in_group_collectives() -> None:
+    """GroupCoordinator's collectives that bypass the device communicator wait for the other ranks
+    without holding a turn. Its tensor broadcast goes through the communicator (a copy to the host on
+    every rank, as the other collectives: a profile then splits every rank's step at the same points)."""
+    vllm_broadcast = GroupCoordinator.broadcast
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0):
+        if self.world_size > 1 and isinstance(self.device_communicator, HostStagedCommunicator):
+            return self.device_communicator.broadcast(input_, src)
+        with Turns.paused():
+            return vllm_broadcast(self, input_, src)
+
+    def paused(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with Turns.paused():
+                return fn(*args, **kwargs)
+        return wrapper
+
+    GroupCoordinator.broadcast = broadcast
+    for name in ("broadcast_object", "broadcast_object_list", "broadcast_tensor_dict", "barrier",
+                 "send_object", "recv_object", "send_tensor_dict", "recv_tensor_dict"):
+        setattr(GroupCoordinator, name, paused(getattr(GroupCoordinator, name)))
+
+
+_pause_in_group_collectives()
 type(current_platform).dist_backend = "gloo"
 type(current_platform).get_device_communicator_cls = classmethod(
     lambda cls: f"{__name__}.HostStagedCommunicator")
