@@ -53,6 +53,8 @@ from benchmarks.plot import save_figure  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 PROFILES = RESULTS / "profile_prefill_pcp1_h200_2026-12-01"
 SPLIT_PROFILES = RESULTS / "profile_prefill_split_1xh200_2026-12-02"
+SPLIT_SHARES = SPLIT_PROFILES / "shares.json"  # per length: what the model reads of each profile row
+SHARE_FIELDS = ("kinds_ms", "critical_ms", "critical_paired")
 TTFT_2X = RESULTS / "ttft_2xh200_2026-11-29" / "bench_ttft.json"
 
 # NVLink 4 on H200 SXM: 900 GB/s per GPU, both directions together (NVIDIA H200 datasheet), so 450 GB/s
@@ -126,19 +128,19 @@ class StepModel:
         # whole experts, each rank's kernels alone on one H200, pcp=1 in the same run)
         self.split = {mode: {} for mode in SPLIT_CONFIGS}
         for n, d in ((32768, "32k"), (131072, "128k")):
-            rows = load(SPLIT_PROFILES / d / "profile_prefill.json")
+            rows = load(SPLIT_SHARES)[d]
             base = rows["pcp1/rank0"]["kinds_ms"]
             for mode, config in SPLIT_CONFIGS.items():
                 ranks = [r for name, r in rows.items() if name.startswith(config + "/")]
                 assert ranks[0]["critical_paired"], f"{config} at {d}: the ranks' collectives did not pair up"
                 factors = {k: sum(r["kinds_ms"][k] for r in ranks) / len(ranks) / base[k] for k in base
                            if k != "communication"}
-                modelled = sum(base[k] * self._gdn_or(k, factors, mode, 2) for k in factors)
+                modelled = sum(base[k] * self._critical_share(k, factors, mode, 2) for k in factors)
                 factors["imbalance"] = ranks[0]["critical_ms"] / modelled
                 self.split[mode][n] = factors
 
     @staticmethod
-    def _gdn_or(kind: str, factors: dict, mode: str, n: int) -> float:
+    def _critical_share(kind: str, factors: dict, mode: str, n: int) -> float:
         """Time at pcp=n / pcp=1 of one kind on the critical path, from its pcp=2 factor: every kind's
         work divides by n, but the relay's state recurrence (RELAY_SERIAL_SHARE of GDN at pcp=1) runs
         rank after rank: each rank's kernels hold 1/n of it, the step waits for all of it."""
@@ -195,7 +197,7 @@ class StepModel:
                "moe": self.kind_s("moe", q), "gemm": self.kind_s("gemm", q), "other": self.kind_s("other", q)}
         if n > 1:
             f = self.factors(mode, q)
-            gpu = {k: v * self._gdn_or(k, f, mode, n) * f["imbalance"] for k, v in gpu.items()}
+            gpu = {k: v * self._critical_share(k, f, mode, n) * f["imbalance"] for k, v in gpu.items()}
             if experts == "sharded":  # 1/N of the experts on every row (not profiled split)
                 gpu["moe"] = self.kind_s("moe", q) / n
         if tp > 1:
@@ -317,7 +319,11 @@ def main():
             subprocess.run([*script, "--out", str(out / "split" / name), "--tokens", str(tokens),
                             "--configs", "pcp1", *SPLIT_CONFIGS.values(), "--shared-gpu", "--layers", "8"],
                            check=True)
-        print(f"profiles in {out}/pcp1 and {out}/split; copy them to {PROFILES} and {SPLIT_PROFILES}")
+        shares = {name: {row: {k: r[k] for k in SHARE_FIELDS} for row, r in
+                         load(out / "split" / name / "profile_prefill.json").items()} for name in ("32k", "128k")}
+        (out / "split" / SPLIT_SHARES.name).write_text(json.dumps(shares, indent=1) + "\n")
+        print(f"profiles in {out}/pcp1 and {out}/split; copy them to {PROFILES} and "
+              f"{out}/split/{SPLIT_SHARES.name} to {SPLIT_SHARES}")
         return
     model = StepModel()
     worst = validate(model)

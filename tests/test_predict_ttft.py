@@ -35,11 +35,11 @@ def test_pcp_collectives_cross_the_network_and_tp_stays_inside():
 
 
 def test_a_pcp2_rank_takes_its_profiled_share_and_the_relay_waits_for_the_whole_recurrence():
-    from benchmarks.predict_ttft import CONFIGS, RELAY_SERIAL_SHARE, SPLIT_CONFIGS, SPLIT_PROFILES, StepModel, load
+    from benchmarks.predict_ttft import CONFIGS, RELAY_SERIAL_SHARE, SPLIT_CONFIGS, SPLIT_SHARES, StepModel, load
 
     model = StepModel()
     for tokens, name in ((32768, "32k"), (131072, "128k")):
-        rows = load(SPLIT_PROFILES / name / "profile_prefill.json")
+        rows = load(SPLIT_SHARES)[name]
         for mode, config in SPLIT_CONFIGS.items():
             ranks = [r for key, r in rows.items() if key.startswith(config + "/")]
             share = sum(r["kinds_ms"]["moe"] for r in ranks) / len(ranks) / rows["pcp1/rank0"]["kinds_ms"]["moe"]
@@ -55,13 +55,13 @@ def test_a_pcp2_rank_takes_its_profiled_share_and_the_relay_waits_for_the_whole_
 
 def test_at_n2_the_shares_give_back_each_profiled_critical_path():
     """The factors, the relay's chain and the interpolation agree at the profiled points."""
-    from benchmarks.predict_ttft import SPLIT_CONFIGS, SPLIT_PROFILES, StepModel, load
+    from benchmarks.predict_ttft import SPLIT_CONFIGS, SPLIT_SHARES, StepModel, load
 
     model = StepModel()
     for tokens, name in ((32768, "32k"), (131072, "128k")):
-        rows = load(SPLIT_PROFILES / name / "profile_prefill.json")
+        rows = load(SPLIT_SHARES)[name]
         base = {k: ms for k, ms in rows["pcp1/rank0"]["kinds_ms"].items() if k != "communication"}
         for mode, config in SPLIT_CONFIGS.items():
             f = model.factors(mode, tokens)
-            gpu = sum(ms * model._gdn_or(k, f, mode, 2) * f["imbalance"] for k, ms in base.items())
+            gpu = sum(ms * model._critical_share(k, f, mode, 2) * f["imbalance"] for k, ms in base.items())
             assert gpu == pytest.approx(rows[f"{config}/rank0"]["critical_ms"], rel=1e-9)

@@ -63,13 +63,12 @@ def _work_between_collectives(rank, group, lock):
                    lambda: broadcast_through(None),                  # vLLM's, on its device group
                    lambda: broadcast_through(comm)]                  # the shared GPU's communicator
     spans, got = [], []
-    Turns.take()
-    for collective in collectives:
-        start = time.monotonic()
-        time.sleep(0.05)
-        spans.append((start, time.monotonic()))
-        got.append(collective())
-    Turns.give()
+    with Turns.turn():  # one step, as SharedGPUWorker.execute_model runs it
+        for collective in collectives:
+            start = time.monotonic()
+            time.sleep(0.05)
+            spans.append((start, time.monotonic()))
+            got.append(collective())
     assert got[1] == 1 and torch.equal(got[2], torch.ones(2)) and torch.equal(got[3], torch.ones(2)), got
     return spans
 

@@ -68,6 +68,17 @@ class Turns:
 
     @classmethod
     @contextlib.contextmanager
+    def turn(cls):
+        """Around a step: the rank holds a turn while it runs (inside another turn, that one)."""
+        taken = cls.take()
+        try:
+            yield
+        finally:
+            if taken:
+                cls.give()
+
+    @classmethod
+    @contextlib.contextmanager
     def paused(cls):
         """Around a collective: the other ranks run until they reach it too."""
         held = cls.held
@@ -162,20 +173,12 @@ class SharedGPUWorker(Worker):
         Turns.open()
 
     def execute_model(self, scheduler_output):
-        taken = Turns.take()
-        try:
+        with Turns.turn():
             return super().execute_model(scheduler_output)
-        finally:
-            if taken:
-                Turns.give()
 
     def sample_tokens(self, grammar_output):
-        taken = Turns.take()
-        try:
+        with Turns.turn():
             return super().sample_tokens(grammar_output)
-        finally:
-            if taken:
-                Turns.give()
 
 
 def _pause_in_group_collectives() -> None:
