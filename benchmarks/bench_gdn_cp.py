@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, tests/
 from benchmarks.plot import save_figure  # noqa: E402
+from benchmarks.timing import cuda_median_ms  # noqa: E402
 
 HIDDEN = 2048
 TOKENS = (32768, 131072)
@@ -27,18 +28,7 @@ MODES = ("relay", "state_passing", "island")
 def _time(fn, group, reps=5):
     import torch.distributed as dist
 
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return cuda_median_ms(fn, reps, before_each=dist.barrier)
 
 
 def _worker(rank, group, tokens):

@@ -19,3 +19,14 @@ def save_figure(path: str, draw) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def log2_axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = False) -> None:
+    """The benchmarks' axes: prompt lengths on a log2 x axis, a grid."""
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)

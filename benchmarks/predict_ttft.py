@@ -26,8 +26,12 @@ The model of one prefill step of T new tokens (Qwen3.6-35B-A3B shape, eager, bf1
   GDN layer the conv-halo all-gather and, relay, 2N-1 serial end-state hand-offs (fp32 [heads, K, V]) or,
   state passing, one all-gather of the [V+K, K] fp32 summaries; with sharded experts an all-gather and
   a reduce-scatter of the hidden rows per MoE layer; at tp=2 two all-reduces per layer; the final
-  all-gather of the hidden rows. Time = latency + bytes moved per GPU / bandwidth (constants below).
-- **Host time per step**: TTFT - GPU busy time at pcp=1 (measured), fitted as a T + c, the same at pcp=N.
+  all-gather of the rows vLLM samples from (the earlier code: of every hidden row). Time = latency +
+  bytes moved per GPU / bandwidth (constants below).
+- **Host time**: TTFT - GPU busy time at pcp=1 (measured). Of it, the first token's detokenization
+  from the whole prompt (``bench_detokenizer.py``, measured at 32k, 128k and 1M tokens) is once per
+  request, and at pcp > 1 the prompt's tail replaces it (under a millisecond, left out); the rest,
+  fitted as a T + c, is per step and the same at pcp=N.
 
 Across nodes of 8 H200s (TP inside a node, PCP across: the last table, docs/multi-node.md) TP's
 all-reduces stay on NVLink and PCP's collectives cross InfiniBand (constants below).
@@ -45,10 +49,11 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the repo: benchmarks/
-from benchmarks.plot import save_figure  # noqa: E402
+from benchmarks.plot import log2_axes, save_figure  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 PROFILES = RESULTS / "profile_prefill_pcp1_h200_2026-12-01"
@@ -56,6 +61,7 @@ SPLIT_PROFILES = RESULTS / "profile_prefill_split_1xh200_2026-12-02"
 SPLIT_SHARES = SPLIT_PROFILES / "shares.json"  # per length: what the model reads of each profile row
 SHARE_FIELDS = ("kinds_ms", "critical_ms", "critical_paired")
 TTFT_2X = RESULTS / "ttft_2xh200_2026-11-29" / "bench_ttft.json"
+DETOKENIZER = RESULTS / "output_rows_1xh200_2026-12-02" / "bench_detokenizer.json"
 
 # NVLink 4 on H200 SXM: 900 GB/s per GPU, both directions together (NVIDIA H200 datasheet), so 450 GB/s
 # each way; NCCL reaches about 80% of it on large messages (assumed). Latency per collective: assumed
@@ -78,23 +84,36 @@ RELAY_SERIAL_SHARE = 0.19  # chunk_gated_delta_rule_fwd_kernel_h / all GDN kerne
 LENGTHS = (32768, 131072, 1048576)
 BUDGETS = {"one step": None, "budget 8192 (vllm serve)": 8192, "budget 16384 (LLM)": 16384}
 SPLIT_CONFIGS = {"relay": "pcp2", "state_passing": "pcp2_state_passing"}  # in SPLIT_PROFILES
-CONFIGS = {  # name: (pcp, tp, gdn mode, experts)
-    "pcp1": (1, 1, None, None), "tp2": (1, 2, None, None),
-    "pcp2": (2, 1, "relay", "whole"), "pcp2_state_passing": (2, 1, "state_passing", "whole"),
-    "pcp2_sp_sharded": (2, 1, "state_passing", "sharded"),
-    "pcp4": (4, 1, "relay", "whole"), "pcp4_state_passing": (4, 1, "state_passing", "whole"),
-    "pcp8": (8, 1, "relay", "whole"), "pcp8_state_passing": (8, 1, "state_passing", "whole"),
+
+
+class Config(NamedTuple):
+    pcp: int
+    tp: int
+    gdn: str | None  # "relay" | "state_passing" (pcp > 1)
+    experts: str | None  # "whole" | "sharded" (pcp > 1)
+    # the code measured on 2026-11-29 did both (now: the rows vLLM samples from; the prompt's tail)
+    gather_every_row: bool = False  # a split step all-gathers every hidden row
+    detokenize_whole_prompt: bool = False  # the first token's detokenization, as vLLM (always at pcp=1)
+
+
+CONFIGS = {
+    "pcp1": Config(1, 1, None, None), "tp2": Config(1, 2, None, None),
+    "pcp2": Config(2, 1, "relay", "whole"), "pcp2_state_passing": Config(2, 1, "state_passing", "whole"),
+    "pcp2_sp_sharded": Config(2, 1, "state_passing", "sharded", gather_every_row=True,
+                              detokenize_whole_prompt=True),
+    "pcp4": Config(4, 1, "relay", "whole"), "pcp4_state_passing": Config(4, 1, "state_passing", "whole"),
+    "pcp8": Config(8, 1, "relay", "whole"), "pcp8_state_passing": Config(8, 1, "state_passing", "whole"),
 }
 # model config: measured config (pcp=1's TTFT is what the host time is fitted to: not a validation)
 VALIDATION = {"pcp2_sp_sharded": "pcp2_state_passing", "tp2": "tp2"}
 TARGETS = {("pcp2", 32768): 1.7, ("pcp2", 131072): 1.85, ("pcp4", 131072): 3.4}
 # nodes of 8 H200s, TP inside a node, PCP across nodes (docs/multi-node.md): name -> (config, nodes)
 MULTI_NODE = {
-    "1 node, tp8": ((1, 8, None, None), 1),
-    "2 nodes, tp8 x pcp2, relay": ((2, 8, "relay", "whole"), 2),
-    "2 nodes, tp8 x pcp2, state passing": ((2, 8, "state_passing", "whole"), 2),
-    "4 nodes, tp8 x pcp4, relay": ((4, 8, "relay", "whole"), 4),
-    "4 nodes, tp8 x pcp4, state passing": ((4, 8, "state_passing", "whole"), 4),
+    "1 node, tp8": (Config(1, 8, None, None), 1),
+    "2 nodes, tp8 x pcp2, relay": (Config(2, 8, "relay", "whole"), 2),
+    "2 nodes, tp8 x pcp2, state passing": (Config(2, 8, "state_passing", "whole"), 2),
+    "4 nodes, tp8 x pcp4, relay": (Config(4, 8, "relay", "whole"), 4),
+    "4 nodes, tp8 x pcp4, state passing": (Config(4, 8, "state_passing", "whole"), 4),
 }
 MULTI_NODE_LENGTHS = (131072, 1048576)
 
@@ -121,7 +140,12 @@ class StepModel:
             else:  # a T + c
                 a = (y2 - y1) / (t2 - t1)
                 self.kinds[kind] = (a, 0.0, y1 - a * t1)
-        host = {t: ttft["pcp1"][str(t)] - p["busy_ms"] / 1e3 for t, p in prof.items()}
+        # the first token's detokenization from the whole prompt (measured per length, once per
+        # request); the rest of the host time per step: a T + c
+        rows = load(DETOKENIZER)["rows"]
+        self.detokenize = [(0, 0.0)] + [(r["tokens"], r["whole_prompt_s"]) for r in rows]
+        host = {t: ttft["pcp1"][str(t)] - p["busy_ms"] / 1e3 - self.whole_prompt_detokenize_s(t)
+                for t, p in prof.items()}
         a = (host[t2] - host[t1]) / (t2 - t1)
         self.host = (a, host[t1] - a * t1)
         # pcp=2 per rank relative to pcp=1, per kind, mode and length: the split profiles (8 layers,
@@ -164,9 +188,9 @@ class StepModel:
             return a * rows + b * 2 * (causal_pairs if causal_pairs is not None else rows * rows / 2)
         return a * rows + c
 
-    def collectives(self, cfg, q: int) -> list[tuple[str, int, float]]:
-        """(name, count, bytes each GPU moves per call) of one step with q new tokens."""
-        n, tp, mode, experts = cfg
+    def collectives(self, cfg: Config, q: int) -> list[tuple[str, int, float]]:
+        """(name, count, bytes each GPU moves per call) of one step with q new tokens (one request)."""
+        n, tp, mode, experts, every_row, _ = cfg
         out = []
         if tp > 1:  # over each rank's q/n rows
             out.append(("tp all-reduce", 2 * LAYERS, 2 * (tp - 1) / tp * q / n * HIDDEN * BF16))
@@ -185,13 +209,13 @@ class StepModel:
             out.append(("GDN state-passing summaries", GDN_LAYERS, share * n * summary))
         if experts == "sharded":
             out.append(("MoE all-gather + reduce-scatter", 2 * MOE_LAYERS, share * q * HIDDEN * BF16))
-        out.append(("final hidden-row all-gather", 1, share * q * HIDDEN * BF16))
+        out.append(("final hidden-row all-gather", 1, share * n * (q / n if every_row else 1) * HIDDEN * BF16))
         return out
 
-    def step(self, cfg, q: int, cached: int, nodes: int = 1) -> dict:
+    def step(self, cfg: Config, q: int, cached: int, nodes: int = 1) -> dict:
         """Seconds of one step: q new tokens after ``cached`` tokens of the same request; with
         ``nodes`` > 1 the PCP collectives cross the network (TP's stay inside a node)."""
-        n, tp, mode, experts = cfg
+        n, tp, mode, experts, _, _ = cfg
         pairs = q * cached + q * q / 2
         gpu = {"attention": self.kind_s("attention", q, pairs), "gdn": self.kind_s("gdn", q),
                "moe": self.kind_s("moe", q), "gemm": self.kind_s("gemm", q), "other": self.kind_s("other", q)}
@@ -212,9 +236,23 @@ class StepModel:
         host = a * q + c
         return {**gpu, "communication": comm, "host": host, "total": sum(gpu.values()) + comm + host}
 
-    def ttft(self, cfg, tokens: int, budget: int | None = None, nodes: int = 1) -> float:
+    def whole_prompt_detokenize_s(self, tokens: int) -> float:
+        """vLLM's first-token detokenization of a prompt: the measurements, linear between them and
+        beyond the last."""
+        pts = self.detokenize
+        i = next((k for k in range(1, len(pts)) if tokens <= pts[k][0]), len(pts) - 1)
+        (t0, s0), (t1, s1) = pts[i - 1], pts[i]
+        return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+
+    def detokenize_s(self, cfg: Config, tokens: int) -> float:
+        """The first token's detokenization: vLLM's from the whole prompt (pcp=1, the earlier code),
+        else the prompt tail's (measured: well under a millisecond, left out)."""
+        whole = cfg.pcp == 1 or cfg.detokenize_whole_prompt
+        return self.whole_prompt_detokenize_s(tokens) if whole else 0.0
+
+    def ttft(self, cfg: Config, tokens: int, budget: int | None = None, nodes: int = 1) -> float:
         budget = budget or tokens
-        total, done = 0.0, 0
+        total, done = self.detokenize_s(cfg, tokens), 0
         while done < tokens:
             q = min(budget, tokens - done)
             total += self.step(cfg, q, done, nodes)["total"]
@@ -246,24 +284,35 @@ def tables(model: StepModel) -> dict:
             vals = {t: model.ttft(cfg, t, budget) for t in LENGTHS}
             rows[(label, name)] = vals
             print(f"{name:>20} " + " ".join(f"{vals[t]:>7.2f} ({base[t] / vals[t]:.2f}x)" for t in LENGTHS))
-    print("\ntargets (one step):")
+    print("\nPCP's own speedup, one step: over pcp1 with the prompt tail's detokenization too")
+    print(f"{'config':>20} " + " ".join(f"{t // 1024:>6}k" for t in LENGTHS))
+    for name, cfg in CONFIGS.items():
+        same = [(rows[("one step", "pcp1")][t] - model.detokenize_s(CONFIGS["pcp1"], t)
+                 + model.detokenize_s(cfg, t)) / rows[("one step", name)][t] for t in LENGTHS]
+        print(f"{name:>20} " + " ".join(f"{x:>6.2f}x" for x in same))
+    print("\ntargets (one step); in brackets: against pcp1 with the prompt tail's detokenization too")
     for (name, t), target in TARGETS.items():
-        speedup = rows[("one step", "pcp1")][t] / rows[("one step", name)][t]
-        print(f"  {name} at {t // 1024}k: predicted {speedup:.2f}x, target {target}x")
+        pcp1, this = rows[("one step", "pcp1")][t], rows[("one step", name)][t]
+        same = (pcp1 - model.detokenize_s(CONFIGS["pcp1"], t)) / this
+        print(f"  {name} at {t // 1024}k: predicted {pcp1 / this:.2f}x ({same:.2f}x), target {target}x")
     return rows
 
 
 def multi_node(model: StepModel) -> None:
     """PCP across nodes of 8 H200s (TP inside a node), one step and vLLM's serve budget x pcp."""
     print("\npredicted TTFT (s) across nodes of 8 x H200 (NVLink inside, InfiniBand NDR between);"
-          " (x) = speedup over one node at tp=8")
+          " (x, y) = speedup over one node at tp=8, as vLLM is / with the prompt tail's detokenization too")
+    one_node = MULTI_NODE["1 node, tp8"][0]
     for label, scale in (("one step", None), ("budget 8192 x pcp", 8192)):
-        print(f"{label}:\n{'config':>36} " + " ".join(f"{t // 1024:>12}k" for t in MULTI_NODE_LENGTHS))
-        base = {t: model.ttft(MULTI_NODE["1 node, tp8"][0], t, scale) for t in MULTI_NODE_LENGTHS}
+        print(f"{label}:\n{'config':>36} " + " ".join(f"{t // 1024:>19}k" for t in MULTI_NODE_LENGTHS))
+        base = {t: model.ttft(one_node, t, scale) for t in MULTI_NODE_LENGTHS}
         for name, (cfg, nodes) in MULTI_NODE.items():
-            budget = scale and scale * cfg[0]
+            budget = scale and scale * cfg.pcp
             vals = {t: model.ttft(cfg, t, budget, nodes) for t in MULTI_NODE_LENGTHS}
-            print(f"{name:>36} " + " ".join(f"{vals[t]:>7.2f} ({base[t] / vals[t]:.2f}x)" for t in MULTI_NODE_LENGTHS))
+            same = {t: (base[t] - model.detokenize_s(one_node, t) + model.detokenize_s(cfg, t)) / vals[t]
+                    for t in MULTI_NODE_LENGTHS}
+            print(f"{name:>36} " + " ".join(f"{vals[t]:>7.2f} ({base[t] / vals[t]:.2f}x, {same[t]:.2f}x)"
+                                            for t in MULTI_NODE_LENGTHS))
 
 
 def faster_gdn_mode(model: StepModel) -> None:
@@ -280,11 +329,13 @@ def faster_gdn_mode(model: StepModel) -> None:
 
 def breakdown(model: StepModel, tokens: int = 131072) -> None:
     print(f"\none step of {tokens // 1024}k tokens, per rank (ms):")
-    kinds = ("attention", "gdn", "moe", "gemm", "other", "communication", "host", "total")
-    print(f"{'config':>20} " + " ".join(f"{k[:9]:>9}" for k in kinds))
+    kinds = ("attention", "gdn", "moe", "gemm", "other", "communication", "host", "detokenize", "total")
+    print(f"{'config':>20} " + " ".join(f"{k[:10]:>10}" for k in kinds))
     for name in ("pcp1", "tp2", "pcp2", "pcp2_state_passing", "pcp2_sp_sharded", "pcp4", "pcp8"):
         s = model.step(CONFIGS[name], tokens, 0)
-        print(f"{name:>20} " + " ".join(f"{s[k] * 1e3:>9.1f}" for k in kinds))
+        s["detokenize"] = model.detokenize_s(CONFIGS[name], tokens)
+        s["total"] += s["detokenize"]
+        print(f"{name:>20} " + " ".join(f"{s[k] * 1e3:>10.1f}" for k in kinds))
 
 
 def plot(model: StepModel, path: str) -> None:
@@ -294,11 +345,8 @@ def plot(model: StepModel, path: str) -> None:
         for name in ("tp2", "pcp2", "pcp2_state_passing", "pcp4", "pcp8"):
             ax.plot(lengths, [model.ttft(CONFIGS["pcp1"], t) / model.ttft(CONFIGS[name], t) for t in lengths],
                     marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens (one step)")
-        ax.set_ylabel("predicted TTFT speedup over pcp=1")
-        ax.set_title("Qwen3.6-35B-A3B shape, H200 + NVLink (model)")
-        ax.grid(alpha=0.3)
+        log2_axes(ax, "prompt tokens (one step)", "predicted TTFT speedup over pcp=1",
+                  "Qwen3.6-35B-A3B shape, H200 + NVLink (model)")
     save_figure(path, draw)
 
 

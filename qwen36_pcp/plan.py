@@ -169,6 +169,21 @@ class PCPPlan:
         last_full = self.req_start[1:] - 1
         return self.gathered_of_full[last_full] // self.t_pad
 
+    def sample_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows vLLM samples from (each request's last new token) and where they are gathered from.
+
+        Returns ``(full, send, pick)``, each per request: its last token's full index; the local row
+        this rank sends for it (its own copy where it holds the primary one, else row 0 as filler, so
+        that every rank sends ``num_reqs`` rows); the row of ``all_gather(local[send])`` that holds the
+        primary copy (``owner * num_reqs + request``).
+        """
+        full = self.req_start[1:] - 1
+        gathered = self.gathered_of_full[full]
+        owner, row = gathered // self.t_pad, gathered % self.t_pad
+        send = np.where(owner == self.rank, row, 0)
+        pick = owner * self.num_reqs + np.arange(self.num_reqs)
+        return full, send, pick
+
     # -------------------------------------------------- attention (per rank)
     def attention_vseqs(self, r: int | None = None):
         """Virtual sequences of rank r: (cu_q, seqused_k, request) for end-aligned causal attention.

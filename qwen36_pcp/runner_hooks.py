@@ -17,8 +17,9 @@ rank unless ``moe_experts="sharded"`` (``whole_experts_on_every_pcp_rank``).
 
 Runner: each step's plan comes from the scheduler output (identical on all ranks); split steps run
 without CUDA graphs (captured for whole-batch sizes; the torch.compile'd graph still runs), each rank
-runs the model on its token slice, and the full hidden states are re-assembled by an all-gather, so
-sampling, logprobs and prompt logprobs see exactly what they see at pcp == 1.
+runs the model on its token slice, and an all-gather brings every rank the rows vLLM reads next (each
+request's last row; every row when a request wants prompt logprobs), so sampling, logprobs and prompt
+logprobs see exactly what they see at pcp == 1.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ _installed = False
 _worker_kv_replicated = False
 # True while our model's layers are built with whole experts on every PCP rank.
 _building_whole_experts = False
+# Set in a front-end process once it has made an engine config for our model with pcp > 1.
+_front_end_serves_pcp = False
 
 
 def _as_pcp1(vllm_config):
@@ -126,6 +129,7 @@ def startup_messages_before_config() -> None:
 
     def make_create(orig):
         def create_engine_config(self, *args, **kwargs):
+            global _front_end_serves_pcp
             if self.prefill_context_parallel_size > 1 and names_our_architecture(self.model, self.hf_overrides):
                 message = no_gpu_message(self.prefill_context_parallel_size, self.tensor_parallel_size,
                                          device_type())
@@ -136,7 +140,10 @@ def startup_messages_before_config() -> None:
                                          self.nnodes)
                 if message is not None:
                     raise ValueError(message)
-            return orig(self, *args, **kwargs)
+            config = orig(self, *args, **kwargs)
+            if uses_pcp(config):  # this process is a front end of ours (detokenizer_prompt_tail)
+                _front_end_serves_pcp = True
+            return config
 
         return create_engine_config
 
@@ -154,6 +161,57 @@ def startup_messages_before_config() -> None:
 
     _patch(EngineArgs, "create_engine_config", make_create)
     _patch(EngineArgs, "add_cli_args", make_cli)
+
+
+# ============================================================ front end: first token's detokenization
+PROMPT_TAILS = (32, 256, 2048)  # prompt tokens to prime the detokenizer with: the first whose text is not empty
+
+
+def detokenizer_prompt_tail() -> None:
+    """Detokenize a request's first output token from the end of its prompt, not the whole prompt.
+
+    vLLM 0.20.2's ``FastIncrementalDetokenizer`` primes tokenizers' ``DecodeStream`` with every prompt
+    id, and the stream's first step decodes the whole prompt twice: about a microsecond per prompt
+    token on the first token's path (``benchmarks/bench_detokenizer.py``), the same at every pcp, so
+    the more ranks the larger its share of TTFT. The stream emits the decoded primed ids + token minus
+    the decoded primed ids, and after its first emitted text keeps only the new ids. With a byte-level
+    decoder (Qwen's) the text is UTF-8 decoded from the ids' bytes, which resumes at the next whole
+    character: priming with a tail of the prompt whose text is not empty and does not end in an
+    unfinished character ('\ufffd') emits the same text, character for character. A prompt whose text
+    ends in '\ufffd' (then the stream behaves differently; a longer tail would end the same way),
+    short prompts and other decoders keep vLLM's priming. Only in a process that made an engine config
+    for our model at pcp > 1 (``_front_end_serves_pcp``, set by ``startup_messages_before_config``).
+    """
+    import msgspec
+    from vllm.v1.engine import detokenizer
+
+    def make(orig):
+        def __init__(self, tokenizer, request):
+            tail = prompt_tail(tokenizer, request) if _front_end_serves_pcp else None
+            if tail is not None:
+                request = msgspec.structs.replace(request, prompt_token_ids=tail)
+            orig(self, tokenizer, request)
+
+        return __init__
+
+    _patch(detokenizer.FastIncrementalDetokenizer, "__init__", make)
+
+
+def prompt_tail(tokenizer, request) -> list[int] | None:
+    """The prompt's last ids that prime the detokenizer as the whole prompt does, or None."""
+    from tokenizers import decoders
+
+    ids = request.prompt_token_ids
+    backend = tokenizer._tokenizer
+    if ids is None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    for n in PROMPT_TAILS:
+        if len(ids) <= n:
+            return None
+        text = backend.decode(ids[-n:], skip_special_tokens=request.sampling_params.skip_special_tokens)
+        if text:  # else only skipped or empty tokens: a longer tail
+            return None if text.endswith("\ufffd") else ids[-n:]
+    return None
 
 
 # ================================================================ model: whole experts per rank
@@ -373,10 +431,10 @@ def runner_split_steps() -> None:
                 )
             finally:
                 forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
-            gathered = ctx.all_gather(hidden)
-            out = hidden.new_zeros(plan.num_tokens_padded, hidden.shape[-1])
-            out[: plan.num_tokens] = gathered.index_select(0, ctx.t.gathered_of_full)
-            return out
+            # vLLM 0.20.2 reads every row only for prompt logprobs (``_get_prompt_logprobs_dict``);
+            # otherwise ``hidden_states[logits_indices]``, each request's last row (speculative
+            # decoding and pooling, which read more, are refused at startup)
+            return ctx.gather_output(hidden, plan.num_tokens_padded, all_rows=bool(self.num_prompt_logprobs))
 
         return _model_forward
 
@@ -394,8 +452,12 @@ def _same_sample_rows(runner, state: RunnerPCPState, hidden: torch.Tensor) -> to
     into the next step.)
     """
     num_reqs = runner.input_batch.num_reqs
-    rows = runner.query_start_loc.gpu[1 : num_reqs + 1].long() - 1
-    rank0 = state.group.all_gather(hidden.index_select(0, rows).contiguous(), dim=0)[:num_reqs]
+    return rank0_rows(state.group, hidden, runner.query_start_loc.gpu[1 : num_reqs + 1].long() - 1)
+
+
+def rank0_rows(group, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``hidden`` with its ``rows`` replaced in place by rank 0's (one all-gather of those rows)."""
+    rank0 = group.all_gather(hidden.index_select(0, rows).contiguous(), dim=0)[: rows.shape[0]]
     hidden.index_copy_(0, rows, rank0)
     return hidden
 
@@ -462,6 +524,7 @@ def install() -> None:
         return
     install_startup_checks()
     startup_messages_before_config()
+    detokenizer_prompt_tail()
     replicated_kv_block_sizes()
     replicated_kv_scheduler_accounting()
     replicated_kv_memory_sizing()

@@ -56,6 +56,14 @@ def test_compare_rules():
     assert c["ok"] and c["diverged_at"] == [(0, 1)]
     assert not e2e.compare(a, [_out([1, 7, 3]), a[1]])["ok"]  # a token outside the top-5
     assert e2e.compare(a, [_out([1, 2, 3], lp=-0.75), a[1]])["max_logprob_diff"] == 0.25
+    # prompt logprobs: the same bits, the mean and largest difference, NaN, a prompt cut short
+    p = [[-1.0, -2.0, -3.0], [-4.0]]
+    assert e2e.compare_prompt_logprobs(p, p) == {"mean_logprob_diff": 0.0, "max_logprob_diff": 0.0,
+                                                 "identical": True, "nonfinite": 0}
+    c = e2e.compare_prompt_logprobs(p, [[-1.0, -2.5, -3.0], [-4.5]])
+    assert (c["mean_logprob_diff"], c["max_logprob_diff"], c["identical"]) == (0.25, 0.5, False)
+    assert e2e.compare_prompt_logprobs(p, [[-1.0, float("nan"), -3.0], [-4.0]])["nonfinite"] == 1
+    assert e2e.compare_prompt_logprobs(p, [[-1.0, -2.0], [-4.0]])["mean_logprob_diff"] == float("inf")
 
 
 def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
@@ -106,8 +114,11 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
 
         def generate(self, prompts, sp, use_tqdm=False):
             assert all(p["prompt_token_ids"] for p in prompts)
-            return [types.SimpleNamespace(outputs=[Output(sp.max_tokens)], num_cached_tokens=0)
-                    for _ in prompts]
+            def prompt_logprobs(ids):  # vLLM's shape: None for the first token, then {token: Logprob}
+                return [None] + [{t: types.SimpleNamespace(logprob=-1.0)} for t in ids[1:]]
+            return [types.SimpleNamespace(outputs=[Output(sp.max_tokens)], num_cached_tokens=0,
+                                          prompt_logprobs=prompt_logprobs(p["prompt_token_ids"]))
+                    for p in prompts]
 
     fake = types.ModuleType("vllm")
     fake.LLM = LLM

@@ -65,3 +65,22 @@ def test_at_n2_the_shares_give_back_each_profiled_critical_path():
             f = model.factors(mode, tokens)
             gpu = sum(ms * model._critical_share(k, f, mode, 2) * f["imbalance"] for k, ms in base.items())
             assert gpu == pytest.approx(rows[f"{config}/rank0"]["critical_ms"], rel=1e-9)
+
+
+def test_host_time_split_keeps_pcp1_and_the_front_end_is_a_per_request_term():
+    """pcp=1's TTFT is what the host time is fitted to, however it is split; the first token's
+    detokenization counts once per prompt (chunked or not) and only where the whole prompt primes it."""
+    from benchmarks.predict_ttft import CONFIGS, TTFT_2X, StepModel, load
+
+    model = StepModel()
+    for tokens, measured in load(TTFT_2X)["pcp1"].items():
+        assert model.ttft(CONFIGS["pcp1"], int(tokens)) == pytest.approx(measured, rel=1e-6)
+    pcp2 = CONFIGS["pcp2"]
+    whole = pcp2._replace(detokenize_whole_prompt=True)
+    for budget in (None, 8192):
+        extra = model.ttft(whole, 131072, budget) - model.ttft(pcp2, 131072, budget)
+        assert extra == pytest.approx(model.whole_prompt_detokenize_s(131072)) and extra > 0.05
+    every = pcp2._replace(gather_every_row=True)
+    rows = {c: {name: b for name, _, b in model.collectives(c, 131072)} for c in (pcp2, every)}
+    assert rows[every]["final hidden-row all-gather"] == 65536 * 2048 * 2
+    assert rows[pcp2]["final hidden-row all-gather"] == 2048 * 2

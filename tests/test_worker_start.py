@@ -56,6 +56,7 @@ HOOKS = {
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._determine_batch_execution_and_padding",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
+    "vllm.v1.engine.detokenizer.FastIncrementalDetokenizer.__init__",
 }
 
 

@@ -48,6 +48,24 @@ class PCPContext:
             self.bytes_sent += x.numel() * x.element_size()
         return self.group.broadcast(x, 0)
 
+    def gather_output(self, hidden: torch.Tensor, num_rows: int, all_rows: bool) -> torch.Tensor:
+        """The step's hidden states in the runner's full row order: ``num_rows`` rows, padding zero.
+
+        vLLM reads only the row of each request's last new token (it samples from it) unless a request
+        wants prompt logprobs, which read every row: ``all_rows=False`` gathers ``num_reqs`` rows per
+        rank instead of ``t_pad`` and leaves the other rows zero; the rows vLLM reads are the same bits.
+        """
+        out = hidden.new_zeros(num_rows, *hidden.shape[1:])
+        if all_rows:
+            gathered = self.all_gather(hidden)
+            out[: self.plan.num_tokens] = gathered.index_select(0, self.t.gathered_of_full)
+            return out
+        full, send, pick = self._cached("sample_rows", lambda: tuple(
+            self.to_device(x) for x in self.plan.sample_rows()))
+        rows = self.all_gather(hidden.index_select(0, send))
+        out.index_copy_(0, full, rows.index_select(0, pick))
+        return out
+
     # ---------------------------------------------------------------- cached
     def _cached(self, key, build):
         extra = self.t.extra

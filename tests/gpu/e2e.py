@@ -137,7 +137,34 @@ def _max_tokens_one(llm, spec):
     return [len(r.outputs[0].token_ids) for r in res]
 
 
-ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "max_tokens_one": _max_tokens_one}
+def _prompt_logprobs(llm, spec):
+    """``spec["prompt_logprobs_prompts"]`` with prompt_logprobs=1 and one token: per prompt, the
+    logprob of each prompt token after the first (the rows a split step gathers only for these)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = spec["prompt_logprobs_prompts"]
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                       SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    return [[step[t].logprob for step, t in zip(r.prompt_logprobs[1:], p[1:])]
+            for r, p in zip(res, prompts)]
+
+
+def compare_prompt_logprobs(ref: list[list[float]], other: list[list[float]]) -> dict:
+    """The mean and the largest |difference| of the prompt tokens' logprobs, whether they are the
+    same bits, and how many are NaN/Inf on either side."""
+    import math
+
+    pairs = [(a, b) for ra, rb in zip(ref, other) for a, b in zip(ra, rb)]
+    lengths_agree = [len(r) for r in ref] == [len(r) for r in other]
+    nonfinite = sum(not math.isfinite(x) for pair in pairs for x in pair)
+    diffs = [abs(a - b) for a, b in pairs] if lengths_agree and not nonfinite else [float("inf")]
+    return {"mean_logprob_diff": sum(diffs) / max(len(diffs), 1), "max_logprob_diff": max(diffs, default=0.0),
+            "identical": lengths_agree and ref == other, "nonfinite": nonfinite}
+
+
+ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "max_tokens_one": _max_tokens_one,
+           "prompt_logprobs": _prompt_logprobs}
 
 
 # ----------------------------------------------------------------------------- parent side

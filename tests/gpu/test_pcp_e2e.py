@@ -11,7 +11,8 @@ all-reduce sums are taken on the host, the same for both sides of tp=2 x pcp=2 v
 Two engines per layout, tiny checkpoint, greedy, 32 tokens, top-5 logprobs:
 - ``defaults``: vLLM's chunking, one batch of 1, 3, 1000, 4097, 20000 and 65536 tokens (case 1), one of
   520, 600, 700 and 900 tokens (short splits: NaN at pcp=8 before the split floor), then
-  ``max_tokens=1`` on case 1's prompts, an abort mid-prefill, shutdown;
+  ``max_tokens=1`` on case 1's prompts, prompt logprobs of a 12000-token and a 3-token prompt (a split
+  step gathers every row only for these), an abort mid-prefill, shutdown;
 - ``chunked``: 2048-token chunks with prefix caching: 20000 tokens (case 2: ten continuations), a
   20000-token prefix twice with different suffixes, the second a cache hit (case 3), and four such
   prefixes at once (case 3, eight requests, four hits).
@@ -48,6 +49,7 @@ CASE_RUNS = {"case1_unequal_batch": ("defaults", [0]), "short_splits": ("default
              "case3_four_prefixes": ("chunked", [3, 4])}
 CASE1_LENGTHS = (1, 3, 1000, 4097, 20000, 65536)
 SHORT_SPLIT_LENGTHS = (520, 600, 700, 900)
+PROMPT_LOGPROBS_LENGTHS = (12000, 3)  # one step: the first split at every pcp, the second replicated
 REPORT = {}
 
 
@@ -75,8 +77,9 @@ def _engine_specs():
             "llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True), "engine_core_in_process": True,
             "batches": [e2e.prompt_ids(CASE1_LENGTHS, vocab, seed=2),
                         e2e.prompt_ids(SHORT_SPLIT_LENGTHS, vocab, seed=10)],
-            "actions": ["max_tokens_one", "abort_mid_prefill"],
+            "actions": ["max_tokens_one", "prompt_logprobs", "abort_mid_prefill"],
             "abort_prompt": e2e.prompt_ids((30000,), vocab, seed=3)[0],
+            "prompt_logprobs_prompts": e2e.prompt_ids(PROMPT_LOGPROBS_LENGTHS, vocab, seed=11),
         },
         "chunked": {
             "llm": e2e.base_llm_kwargs(ckpt, max_num_batched_tokens=2048, enable_prefix_caching=True,
@@ -124,6 +127,12 @@ def test_every_layout_matches_its_unsplit_counterpart(engine_pool):
     REPORT["case4"] = {layout: {k: results[f"defaults_{layout}"][k] for k in
                                 ("max_tokens_one", "abort_mid_prefill", "shutdown_s")} for layout in LAYOUTS}
     REPORT["case3_cached_tokens_pcp2"] = cached
+    prompt_lps = {layout: results[f"defaults_{layout}"]["prompt_logprobs"] for layout in LAYOUTS}
+    REPORT["prompt_logprobs"] = {
+        layout: {**e2e.compare_prompt_logprobs(prompt_lps[ref], prompt_lps[layout]), "reference": ref,
+                 "tp2_vs_pcp1": e2e.compare_prompt_logprobs(prompt_lps["pcp1"], prompt_lps["tp2"])[
+                     "mean_logprob_diff"]}
+        for layout, ref in REFERENCE.items()}
     e2e.save("pcp_e2e", REPORT)
     failed = []
     for case, per_layout in REPORT.items():
@@ -140,6 +149,15 @@ def test_every_layout_matches_its_unsplit_counterpart(engine_pool):
                      if not REPORT[case][layout]["identical"]]
     assert not not_identical, f"expected bit for bit: {not_identical}"
     assert cached >= 10000  # the second request of case 3 really hit the cache
+    # prompt logprobs read every row of a split step: the same bits as unsplit where case 1 is, else
+    # on average over the prompt no further off than tp=2 is from pcp=1 (the random model gives its
+    # prompt tokens logprobs around -37, which move by nats under any reordering of bf16 sums)
+    for layout, c in REPORT["prompt_logprobs"].items():
+        print(f"[prompt_logprobs] {layout} vs {c['reference']}: {c}")
+        assert c["nonfinite"] == 0, (layout, c)
+        if layout in BIT_FOR_BIT["case1_unequal_batch"]:
+            assert c["identical"], (layout, c)
+        assert c["mean_logprob_diff"] <= max(c["tp2_vs_pcp1"], 1e-3), (layout, c)
     for layout, c4 in REPORT["case4"].items():
         assert c4["max_tokens_one"] == [1] * len(CASE1_LENGTHS), (layout, c4)
         assert "victim" not in c4["abort_mid_prefill"]["finished"], (layout, c4)

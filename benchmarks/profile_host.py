@@ -1,0 +1,79 @@
+"""Where the host's time of a prefill goes: vLLM's whole request path in one process under cProfile.
+
+    python benchmarks/profile_host.py --out DIR [--tokens 32768 131072] [--layers 4] [--config pcp2]
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and at pcp=1 the worker
+too (the uniprocess executor), so one profile covers input processing, scheduling, the runner's input
+preparation, the model's Python, sampling and output processing. ``--config pcp2``: every rank on
+GPU 0 in worker processes of their own (``bench_ttft.shared_gpu_engine_args``), so the profile holds
+the front end and the engine core (the first token's detokenization among them). The model is the Qwen3.6-35B-A3B
+shape cut to its first ``--layers`` layers (dummy weights, eager), which keeps GPU time small beside
+the host's. Per length: the wall time of ``generate`` (one token) and the functions with the most own
+and cumulative time; what grows with the prompt is the host's time per prompt token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/
+
+
+def main():
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/profile_host")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--config", default="pcp1", help="a bench_ttft config (pcp > 1: on GPU 0)")
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams
+
+    from benchmarks.bench_ttft import checkpoint, engine, prompt, shared_gpu_engine_args
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shared = shared_gpu_engine_args(args.config) if args.config != "pcp1" else {"gpu_memory_utilization": 0.8}
+    llm = engine(checkpoint(str(out), args.layers), args.config, max(args.tokens), **shared)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    summary = {}
+    for tokens in args.tokens:
+        p = prompt(tokens)
+        llm.generate([p], sp, use_tqdm=False)  # warm-up at this length
+        walls = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            llm.generate([p], sp, use_tqdm=False)
+            walls.append(time.perf_counter() - t0)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        llm.generate([p], sp, use_tqdm=False)
+        profiler.disable()
+        profiler.dump_stats(out / f"host_{tokens}.prof")
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(args.top)
+        stats.sort_stats("cumulative").print_stats(args.top)
+        (out / f"host_{tokens}.txt").write_text(text.getvalue())
+        detokenize = sum(v[2] for (_, _, name), v in stats.stats.items() if "DecodeStream" in name)
+        summary[tokens] = {"wall_s": statistics.median(walls), "profiled_wall_s": stats.total_tt,
+                           "decode_stream_s": detokenize}
+        print(f"{tokens} tokens: generate {summary[tokens]['wall_s']:.3f} s (median of {args.reps}); "
+              f"under the profiler {stats.total_tt:.3f} s, of which tokenizers' DecodeStream {detokenize:.4f} s")
+        print(text.getvalue()[:6000])
+    (out / "profile_host.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
