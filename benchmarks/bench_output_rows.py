@@ -73,7 +73,7 @@ def peak_mib(fn) -> float:
     return peak / 2**20
 
 
-def split_step(tokens: int, world_size: int, reps: int, model: StepModel) -> dict:
+def split_step(tokens: int, world_size: int, reps: int) -> dict:
     from qwen36_pcp.layers.context import PCPContext
     from qwen36_pcp.plan import PCPPlan
 
@@ -82,8 +82,7 @@ def split_step(tokens: int, world_size: int, reps: int, model: StepModel) -> dic
     group = StandInGroup(world_size)
     hidden = torch.randn(plan.t_pad, HIDDEN, dtype=torch.bfloat16, device="cuda")
     num_rows = tokens  # the runner's padded batch: one prompt, no padding
-    predicted_ttft = model.ttft(CONFIGS[f"pcp{world_size}"], tokens)
-    row = {"tokens": tokens, "world_size": world_size, "predicted_ttft_s": predicted_ttft}
+    row = {"tokens": tokens, "world_size": world_size}
     for name, all_rows in (("every_row", True), ("sampled_rows", False)):
         def call():
             ctx = PCPContext(plan, group, "cuda")  # one context per step, as in the runner
@@ -96,9 +95,13 @@ def split_step(tokens: int, world_size: int, reps: int, model: StepModel) -> dic
         comm = all_gather_s(world_size, call.bytes_sent) * 1e3
         row[name] = {"kernels_ms": kernels, "bytes_sent": call.bytes_sent, "all_gather_ms_modelled": comm,
                      "total_ms": kernels + comm, "peak_mib": peak_mib(call)}
-    saved_s = (row["every_row"]["total_ms"] - row["sampled_rows"]["total_ms"]) / 1e3
-    row["saved_share_of_ttft"] = saved_s / predicted_ttft
     return row
+
+
+def saved_share_of_ttft(row: dict, model: StepModel) -> float:
+    """What the sampled rows save, over pcp=N's TTFT as predict_ttft predicts it now."""
+    saved_s = (row["every_row"]["total_ms"] - row["sampled_rows"]["total_ms"]) / 1e3
+    return saved_s / model.ttft(CONFIGS[f"pcp{row['world_size']}"], row["tokens"])
 
 
 def decode_step(num_reqs: int, world_size: int, reps: int, pcp1_itl_ms: float) -> dict:
@@ -123,7 +126,7 @@ def decode_step(num_reqs: int, world_size: int, reps: int, pcp1_itl_ms: float) -
             "itl_ratio_predicted": (pcp1_itl_ms + extra) / pcp1_itl_ms}
 
 
-def report(result: dict) -> str:
+def report(result: dict, model: StepModel) -> str:
     lines = ["Split step: the final gather per rank, one prompt (every row: before, and with prompt logprobs;"
              " sampled rows: after)",
              f"{'tokens':>8} {'N':>2} | {'kernels ms':>17} | {'sent MiB':>15} | {'all-gather ms*':>15} | "
@@ -136,7 +139,7 @@ def report(result: dict) -> str:
             f"{r['tokens']:>8} {r['world_size']:>2} | {b['kernels_ms']:>8.3f} {a['kernels_ms']:>8.3f} | "
             f"{b['bytes_sent'] / 2**20:>7.1f} {a['bytes_sent'] / 2**20:>7.3f} | "
             f"{b['all_gather_ms_modelled']:>7.3f} {a['all_gather_ms_modelled']:>7.3f} | "
-            f"{b['peak_mib']:>8.0f} {a['peak_mib']:>8.0f} | {100 * r['saved_share_of_ttft']:>16.2f}%")
+            f"{b['peak_mib']:>8.0f} {a['peak_mib']:>8.0f} | {100 * saved_share_of_ttft(r, model):>16.2f}%")
     lines += ["", "Decode step: every rank samples from rank 0's rows (pcp1 ITL measured, compiled)",
               f"{'reqs':>5} {'N':>2} | {'kernels ms':>10} {'host ms':>8} {'all-gather ms*':>15} | "
               f"{'pcp1 ITL ms':>11} {'ITL ratio*':>10}"]
@@ -173,14 +176,13 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_output_rows.json"
     if not args.report_only:
-        model = StepModel()
         itl = load(PCP1_ITL)["pcp1"]["itl_ms"]
         result = {"device": torch.cuda.get_device_name(),
-                  "split": [split_step(t, n, args.reps, model) for t in TOKENS for n in WORLD_SIZES],
+                  "split": [split_step(t, n, args.reps) for t in TOKENS for n in WORLD_SIZES],
                   "decode": [decode_step(b, n, args.reps, itl) for b in DECODE_BATCHES for n in WORLD_SIZES]}
         path.write_text(json.dumps(result, indent=1) + "\n")
     result = load(path)
-    text = report(result)
+    text = report(result, StepModel())
     print(text)
     (out / "table.txt").write_text(text + "\n")
     plot(result, str(out / "bench_output_rows.png"))
