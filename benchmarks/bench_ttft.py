@@ -139,14 +139,7 @@ def child(model: str, config: str, tokens: list[int], reps: int, path: str, comp
         if budget:
             scheduler.max_num_scheduled_tokens = budget
         for n in tokens:
-            p = prompt(n)
-            llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune) at this length
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                llm.generate([p], sp, use_tqdm=False)
-                times.append(time.perf_counter() - t0)
-            out[f"{n}@{budget}" if budget else n] = statistics.median(times)
+            out[f"{n}@{budget}" if budget else n] = median_generate_s(llm, prompt(n), sp, reps)
             with open(path, "w") as f:
                 json.dump(out, f)
     if budgets:
@@ -155,6 +148,18 @@ def child(model: str, config: str, tokens: list[int], reps: int, path: str, comp
     out["peak_gib_per_rank"] = peak_memory_per_rank(llm)
     with open(path, "w") as f:
         json.dump(out, f)
+
+
+def median_generate_s(llm, p, sp, reps: int) -> float:
+    """Median seconds of ``llm.generate([p], sp)`` over ``reps``, after one warm-up (JIT, autotune) at
+    this length."""
+    llm.generate([p], sp, use_tqdm=False)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        llm.generate([p], sp, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _peak_gib(worker) -> float:

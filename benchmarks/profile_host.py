@@ -20,9 +20,7 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/
@@ -40,7 +38,7 @@ def main():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
-    from benchmarks.bench_ttft import checkpoint, engine, prompt, shared_gpu_engine_args
+    from benchmarks.bench_ttft import checkpoint, engine, median_generate_s, prompt, shared_gpu_engine_args
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,12 +48,7 @@ def main():
     summary = {}
     for tokens in args.tokens:
         p = prompt(tokens)
-        llm.generate([p], sp, use_tqdm=False)  # warm-up at this length
-        walls = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            llm.generate([p], sp, use_tqdm=False)
-            walls.append(time.perf_counter() - t0)
+        wall = median_generate_s(llm, p, sp, args.reps)
         profiler = cProfile.Profile()
         profiler.enable()
         llm.generate([p], sp, use_tqdm=False)
@@ -67,7 +60,7 @@ def main():
         stats.sort_stats("cumulative").print_stats(args.top)
         (out / f"host_{tokens}.txt").write_text(text.getvalue())
         detokenize = sum(v[2] for (_, _, name), v in stats.stats.items() if "DecodeStream" in name)
-        summary[tokens] = {"wall_s": statistics.median(walls), "profiled_wall_s": stats.total_tt,
+        summary[tokens] = {"wall_s": wall, "profiled_wall_s": stats.total_tt,
                            "decode_stream_s": detokenize}
         print(f"{tokens} tokens: generate {summary[tokens]['wall_s']:.3f} s (median of {args.reps}); "
               f"under the profiler {stats.total_tt:.3f} s, of which tokenizers' DecodeStream {detokenize:.4f} s")

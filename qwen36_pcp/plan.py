@@ -178,9 +178,8 @@ class PCPPlan:
         primary copy (``owner * num_reqs + request``).
         """
         full = self.req_start[1:] - 1
-        gathered = self.gathered_of_full[full]
-        owner, row = gathered // self.t_pad, gathered % self.t_pad
-        send = np.where(owner == self.rank, row, 0)
+        owner = self.last_token_owner()
+        send = np.where(owner == self.rank, self.gathered_of_full[full] % self.t_pad, 0)
         pick = owner * self.num_reqs + np.arange(self.num_reqs)
         return full, send, pick
 
