@@ -5,8 +5,8 @@
 vLLM's ``FastIncrementalDetokenizer`` for one request (the Qwen3.6-35B-A3B checkpoint's tokenizer, as
 ``make_checkpoint`` writes it; prompts as ``bench_ttft`` makes them): the time from its creation
 through its first ``update``, which is on the path of every first token. "whole prompt" is vLLM 0.20.2
-as it is; "prompt tail" is with ``runner_hooks.detokenizer_prompt_tail`` (what a front end of a pcp > 1
-engine runs). ``predict_ttft`` reads the first column from this JSON.
+as it is; "prompt tail" is with ``qwen36_pcp.prompt_tail`` (what ``qwen36_pcp.patches`` applies in a
+front end of a pcp > 1 engine). ``predict_ttft`` reads the first column from this JSON.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ def first_token_s(tokenizer, prompt: list[int], tail: bool, reps: int) -> float:
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    from qwen36_pcp import runner_hooks
+    from qwen36_pcp import patches
 
     request = EngineCoreRequest(
         request_id="r", prompt_token_ids=prompt, mm_features=None, sampling_params=SamplingParams(),
         pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None, data_parallel_rank=None)
     times = []
-    with mock.patch.object(runner_hooks, "_front_end_serves_pcp", tail):
+    with mock.patch.object(patches, "serves_pcp", lambda: tail):
         for _ in range(reps):
             t0 = time.perf_counter()
             FastIncrementalDetokenizer(tokenizer, request).update([prompt[0]], stop_terminated=False)
@@ -55,9 +55,11 @@ def main():
     from transformers import AutoTokenizer
 
     from benchmarks.bench_ttft import checkpoint, prompt
-    from qwen36_pcp.runner_hooks import detokenizer_prompt_tail
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    detokenizer_prompt_tail()
+    from qwen36_pcp import patches
+
+    next(p for p in patches.PATCHES if p.owner is FastIncrementalDetokenizer).install()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint(str(out)))
     rows = []
     for n in TOKENS:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, tests/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, harness/
 from benchmarks.plot import save_figure  # noqa: E402
 from benchmarks.timing import cuda_median_ms  # noqa: E402
 
@@ -32,16 +32,11 @@ def _time(fn, group, reps=5):
 
 
 def _worker(rank, group, tokens):
+    from harness.gdn_unsplit import gdn_unsplit_core
+    from harness.layer_inputs import GDN, gdn_inputs
     from qwen36_pcp.layers.context import PCPContext
-    from qwen36_pcp.layers.gdn_cp import (
-        VllmGDNKernels,
-        gdn_full_reference,
-        gdn_island,
-        gdn_relay,
-        gdn_state_passing,
-    )
+    from qwen36_pcp.layers.gdn_cp import VllmGDNKernels, gdn_island, gdn_relay, gdn_state_passing
     from qwen36_pcp.plan import PCPConfig, PCPPlan
-    from tests.gpu.layer_inputs import GDN, gdn_inputs
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -55,7 +50,7 @@ def _worker(rank, group, tokens):
         x = torch.randn(T, HIDDEN, device=dev, dtype=torch.bfloat16)
         cu_cpu = torch.tensor([0, T], dtype=torch.int32)
         plan = PCPPlan([0], [T], group.world_size, rank, PCPConfig())
-        idx = plan.device_tensors(dev).local_idx
+        idx = PCPContext(plan, group, dev).t.local_idx
         t_loc = plan.t_pad
 
         def layer(n_tok, core):
@@ -66,7 +61,7 @@ def _worker(rank, group, tokens):
 
         def one_gpu():
             conv, ssm = inp["conv_state"].clone(), inp["ssm_state"].clone()
-            layer(T, lambda o: gdn_full_reference(VllmGDNKernels, inp["mixed_qkv"], inp["b"], inp["a"], o, w,
+            layer(T, lambda o: gdn_unsplit_core(VllmGDNKernels, inp["mixed_qkv"], inp["b"], inp["a"], o, w,
                                                   conv, ssm, inp["state_idx"][:1], [0], cu_cpu))
 
         local = [inp[k][idx] for k in ("mixed_qkv", "b", "a")]
@@ -81,7 +76,7 @@ def _worker(rank, group, tokens):
                                     inp["state_idx"][:1])
             else:
                 core = lambda o: gdn_island(  # noqa: E731
-                    ctx, lambda q_, b_, a_, o_: gdn_full_reference(
+                    ctx, lambda q_, b_, a_, o_: gdn_unsplit_core(
                         VllmGDNKernels, q_, b_, a_, o_, w, conv, ssm, inp["state_idx"][:1], [0], cu_cpu),
                     *local, o)
             layer(t_loc, core)
@@ -100,7 +95,7 @@ def main():
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/bench_gdn_cp")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = parser.parse_args()
-    from tests.dist import run_distributed
+    from harness.dist import run_distributed
 
     per_rank = run_distributed(_worker, 2, args.tokens, backend="nccl")
     os.makedirs(args.out, exist_ok=True)

@@ -11,7 +11,7 @@ all-gather on NVLink (modelled with ``predict_ttft``'s constants: the stand-in g
 bytes), the memory the call allocates at its peak (measured), and the saving against the predicted
 TTFT of pcp=N (``predict_ttft``).
 
-Decode step (``runner_hooks.rank0_rows``: every rank samples from rank 0's rows): kernel time and
+Decode step (``runner.rank0_rows``: every rank samples from rank 0's rows): kernel time and
 host time per call (measured) and the all-gather (modelled), against pcp=1's decode inter-token
 latency measured on one H200 with vLLM's compile defaults (``chunk_budget_1xh200_2026-12-02``): the
 decode ITL after a PCP prefill, predicted.
@@ -81,13 +81,12 @@ def split_step(tokens: int, world_size: int, reps: int) -> dict:
     plan = PCPPlan([0], [tokens], world_size, 0)
     group = StandInGroup(world_size)
     hidden = torch.randn(plan.t_pad, HIDDEN, dtype=torch.bfloat16, device="cuda")
-    num_rows = tokens  # the runner's padded batch: one prompt, no padding
     row = {"tokens": tokens, "world_size": world_size}
     for name, all_rows in (("every_row", True), ("sampled_rows", False)):
         def call():
-            ctx = PCPContext(plan, group, "cuda")  # one context per step, as in the runner
-            ctx.t.extra.clear()
-            out = ctx.gather_output(hidden, num_rows, all_rows)
+            # one context per step, as in the runner; the runner's padded batch: one prompt, no padding
+            ctx = PCPContext(plan, group, "cuda", num_tokens_padded=tokens)
+            out = ctx.gather_output(hidden, all_rows)
             call.bytes_sent = ctx.bytes_sent
             return out
 
@@ -105,7 +104,7 @@ def saved_share_of_ttft(row: dict, model: StepModel) -> float:
 
 
 def decode_step(num_reqs: int, world_size: int, reps: int, pcp1_itl_ms: float) -> dict:
-    from qwen36_pcp.runner_hooks import rank0_rows
+    from qwen36_pcp.runner import rank0_rows
 
     group = StandInGroup(world_size)
     hidden = torch.randn(num_reqs, HIDDEN, dtype=torch.bfloat16, device="cuda")

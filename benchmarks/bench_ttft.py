@@ -11,7 +11,7 @@ JSON + PNG. The current defaults against pcp=1 and tp=2 on a 2-GPU machine, in o
 
 Every config runs the same GDN kernel configs: ``--kkt-configs race_free`` (default) keeps vLLM's
 ``chunk_scaled_dot_kkt_fwd`` to its race-free autotune configs in every engine, as PCP does
-(qwen36_pcp.runner_hooks.race_free_gdn_kkt); ``all`` lets the autotuner pick from all of them, as
+(qwen36_pcp.deterministic_gdn.race_free_gdn_kkt); ``all`` lets the autotuner pick from all of them, as
 vLLM does (at pcp=2 too). Run both on pcp1 to see what the workaround costs.
 """
 
@@ -72,12 +72,12 @@ def engine(model: str, config: str, longest: int, compiled: bool = False, **kw):
 
 
 def shared_gpu_engine_args(config: str) -> dict:
-    """Every rank of ``config`` on GPU 0 (tests/gpu/shared_gpu.py), taking turns between collectives
+    """Every rank of ``config`` on GPU 0 (harness/shared_gpu.py), taking turns between collectives
     (``run_child(turns_lock=...)`` names the lock): each rank's kernels run alone, so per-rank kernel
     times are those of one GPU per rank. The ranks share the GPU's memory."""
     cfg = CONFIGS[config]
     ranks = cfg.get("tensor_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1)
-    return dict(worker_cls="tests.gpu.shared_gpu.SharedGPUWorker", distributed_executor_backend="mp",
+    return dict(worker_cls="harness.shared_gpu.SharedGPUWorker", distributed_executor_backend="mp",
                 gpu_memory_utilization=0.9 / ranks, kv_cache_memory_bytes=8 << 30)
 
 

@@ -2,8 +2,8 @@
 
     python examples/client.py [--port 8000] [--wait 600]
 
-Waits up to ``--wait`` seconds for the server's /health (a first start compiles kernels for a few
-minutes), then sends one completion and one chat request.
+Waits up to ``--wait`` seconds for the server's /health (a first start loads the weights and compiles
+kernels for a few minutes; a line every 15 s says so), then sends one completion and one chat request.
 """
 
 import argparse
@@ -25,15 +25,25 @@ def post(url, body):
         return json.loads(r.read())
 
 
-def wait_for(base, seconds):
-    deadline = time.time() + seconds
+def wait_for(base, seconds, every=15):
+    """Poll /health until it answers; say what is awaited every ``every`` seconds, since a first start
+    stays silent here for minutes (the server's own log shows its progress)."""
+    start, said = time.time(), None
     while True:
         try:
             get(f"{base}/health")
+            if said is not None:
+                print(f"server ready after {time.time() - start:.0f} s", flush=True)
             return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            if time.time() > deadline:
-                raise SystemExit(f"no server answered at {base}/health within {seconds} s")
+            waited = time.time() - start
+            if waited > seconds:
+                raise SystemExit(f"no server answered at {base}/health within {seconds:.0f} s: is it running "
+                                 "(examples/serve.sh), on this port, and does its log end in an error?") from None
+            if said is None or time.time() - said >= every:
+                print(f"waiting for {base}/health (server still starting: loading weights, compiling) ... "
+                      f"{waited:.0f} s of {seconds:.0f} s", flush=True)
+                said = time.time()
             time.sleep(2)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 SUPPORTED_VLLM_VERSION = "0.20.2"
 
 logger = logging.getLogger("qwen36_pcp")
@@ -27,7 +27,8 @@ def version_supported() -> bool:
 def register() -> None:
     """vLLM calls this in every process it starts (API server, engine core, workers). Idempotent.
 
-    On a vLLM other than 0.20.2 it logs one line and changes nothing (the hooks touch 0.20.2 internals).
+    On a vLLM other than 0.20.2 it logs one line and changes nothing (the patches touch 0.20.2
+    internals); on a 0.20.2 whose patched functions changed it raises, naming the one that did.
     """
     global _warned
     if not version_supported():
@@ -38,11 +39,11 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    from . import runner_hooks
+    from . import patches
     from .model.qwen3_6 import ARCHITECTURE, Qwen3_6ForCausalLM
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         # the class itself, not "module:Class": vLLM inspects a lazily registered out-of-tree model in
         # a fresh Python subprocess on every engine start (~20 s), and the module is imported anyway
         ModelRegistry.register_model(ARCHITECTURE, Qwen3_6ForCausalLM)
-    runner_hooks.install()
+    patches.install()

@@ -1,6 +1,8 @@
 """Startup checks: what PCP for Qwen3.6 does not support is rejected when the engine's config is built,
-with one message that names every problem (``validate_pcp_config``, run from the model's config hook in
-``runner_hooks.install_startup_checks``). They read the config only; nothing here patches vLLM.
+with one message that names every problem (``validate_pcp_config``, run from our model's config check,
+``patches._config_check_class``), and what cannot wait for a config (bad options, no GPU, nodes) is
+refused before vLLM's own checks (``before_config_error``). They read the config only; the one thing
+they set is the worker class and the GDN prefill backend PCP needs.
 """
 
 from __future__ import annotations
@@ -10,9 +12,19 @@ import logging
 import os
 import re
 
-from .config import ARCHITECTURE, pcp_config_of, uses_pcp
+from .config import (
+    ARCHITECTURE,
+    OPTIONS_KEY,
+    PCPConfig,
+    below_split_floor,
+    misspelled_option_keys,
+    pcp_config_of,
+    uses_pcp,
+)
 
 logger = logging.getLogger("vllm.qwen36_pcp")  # under vLLM's logger, so that it shows in the engine's log
+
+PCP_WORKER_CLS = "qwen36_pcp.worker.PCPWorker"  # worker.WORKER_CLS, named here without importing vLLM's worker
 
 
 def validate_pcp_config(vllm_config) -> None:
@@ -33,6 +45,7 @@ def validate_pcp_config(vllm_config) -> None:
         problems.append("data parallel together with PCP")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding (MTP / draft models) together with PCP")
+    problems += worker_class_problems(vllm_config)
     if ray_executor_without_pcp_ranks(vllm_config):
         problems.append(
             "vLLM's default Ray executor (it sends each step to pp x tp workers only, so PCP ranks 1 and up "
@@ -69,6 +82,31 @@ def validate_pcp_config(vllm_config) -> None:
             f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
             f"{ARCHITECTURE} does not support: " + "; ".join(problems) + "."
         )
+
+
+def worker_class_problems(vllm_config) -> list[str]:
+    """A worker class of the user's own must build on the PCP worker (it carries the PCP model runner)."""
+    worker_cls = vllm_config.parallel_config.worker_cls
+    if worker_cls == "auto" or worker_cls == PCP_WORKER_CLS:
+        return []
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from .worker import PCPWorker
+
+    try:
+        cls = resolve_obj_by_qualname(worker_cls) if isinstance(worker_cls, str) else worker_cls
+    except Exception as e:  # noqa: BLE001 - reported as the problem
+        return [f"worker_cls={worker_cls!r}, which could not be imported ({type(e).__name__}: {e})"]
+    if isinstance(cls, type) and issubclass(cls, PCPWorker):
+        return []
+    return [f"worker_cls={worker_cls!r}, which is not built on {PCP_WORKER_CLS} (the worker that runs "
+            "PCP's model runner: subclass it, or leave worker_cls unset)"]
+
+
+def select_pcp_worker(vllm_config) -> None:
+    """Our model at pcp > 1 runs on the PCP worker (vLLM's ``worker_cls``, read by every executor)."""
+    if uses_pcp(vllm_config) and vllm_config.parallel_config.worker_cls == "auto":
+        vllm_config.parallel_config.worker_cls = PCP_WORKER_CLS
 
 
 def ray_executor_without_pcp_ranks(vllm_config) -> bool:
@@ -203,12 +241,61 @@ def triton_gdn_prefill_under_pcp(vllm_config) -> None:
         logger.info("qwen36_pcp: GDN prefill backend set to 'triton' for prefill context parallel")
 
 
+# ------------------------------------------------------------------- before the engine config
+def device_type() -> str:
+    """vLLM's platform's device type ("" without one)."""
+    from vllm import platforms  # resolved when asked: the platform is chosen lazily
+
+    return getattr(platforms.current_platform, "device_type", "") or ""
+
+
+def options_message(additional_config, pcp: int) -> str | None:
+    """The plugin options' error, or None; warns about a misspelled options key and a
+    ``min_split_tokens`` under the split floor."""
+    if isinstance(additional_config, str):  # vLLM parses it later; a JSON string is read here alike
+        try:
+            additional_config = json.loads(additional_config)
+        except ValueError:
+            return None  # vLLM's own message
+    if not isinstance(additional_config, dict):
+        return None
+    for key in misspelled_option_keys(additional_config):
+        logger.warning("qwen36_pcp: additional_config key %r is not %r: its options are ignored", key,
+                       OPTIONS_KEY)
+    try:
+        config = PCPConfig.from_additional_config(additional_config)
+    except (ValueError, TypeError) as e:
+        return str(e) if str(e).startswith("qwen36_pcp") else f"qwen36_pcp: {e}"
+    note = below_split_floor(config, pcp)
+    if note is not None:
+        logger.warning(note)
+    return None
+
+
+def before_config_error(engine_args) -> Exception | None:
+    """What refuses our model's engine arguments before vLLM builds a config, in the order a user fixes
+    them: the plugin's options (on any machine), a GPU (vLLM's own words there name neither PCP nor the
+    fix), then PCP across nodes (vLLM's bare assertion leaves PCP out)."""
+    pcp = engine_args.prefill_context_parallel_size
+    message = options_message(engine_args.additional_config, pcp)
+    if message is not None:
+        return ValueError(message)
+    if pcp <= 1:
+        return None
+    message = no_gpu_message(pcp, engine_args.tensor_parallel_size, device_type())
+    if message is not None:
+        return RuntimeError(message)
+    message = nnodes_message(engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size,
+                             engine_args.data_parallel_size, pcp, engine_args.nnodes)
+    return None if message is None else ValueError(message)
+
+
 # ------------------------------------------------------------------------------ no GPU at all
 def no_gpu_message(pcp: int, tp: int, device_type: str) -> str | None:
     """The startup error for PCP where vLLM found no NVIDIA GPU platform, or None (pcp == 1, or a CUDA
     platform: from there on the config checks and ``visible_gpu_problems`` judge). vLLM's own words
     there name neither the GPUs nor PCP ("Device string must not be empty", "Failed to infer device
-    type"); ``runner_hooks.startup_messages_before_config`` raises this one instead, for our model only."""
+    type"); ``before_config_error`` returns this one instead, for our model only."""
     if pcp <= 1 or device_type == "cuda":
         return None
     if device_type:
@@ -241,7 +328,7 @@ def nnodes_message(tp: int, pp: int, dp: int, pcp: int, nnodes: int) -> str | No
 
     ``EngineArgs.create_engine_config`` asserts that tp x pp x dp (PCP left out) divides by nnodes, so
     ``-tp 1 -pcp 2 --nnodes 2`` dies with a bare "world_size=1 must be divisible by nnodes=2", which
-    names neither PCP nor the way out; ``runner_hooks.startup_messages_before_config`` raises this one
+    names neither PCP nor the way out; ``before_config_error`` returns this one
     before it, for our model only. tp a multiple of nnodes always passes that check; where nnodes also
     divides pcp, each node then holds whole TP groups and only PCP crosses nodes (docs/multi-node.md)."""
     counted = tp * pp * dp
@@ -282,10 +369,24 @@ def names_our_architecture(model, hf_overrides) -> bool:
     return isinstance(archs, (list, tuple)) and ARCHITECTURE in archs
 
 
-def cli_no_gpu_message(argv: list[str], device_type: str) -> str | None:
+def cli_before_config_error(argv: list[str], device_type: str) -> Exception | None:
+    """For a command line such as ``vllm serve MODEL --hf-overrides ... -pcp 2`` on a machine where vLLM
+    fails before parsing it (no GPU): the plugin options' error, else ``no_gpu_message``; None if it
+    does not ask for our model at pcp > 1 or cannot be read."""
+    message = cli_no_gpu_message(argv, device_type, options=True)
+    if message is None:
+        return None
+    return ValueError(message) if message.startswith(OPTIONS_ERROR) else RuntimeError(message)
+
+
+OPTIONS_ERROR = "qwen36_pcp: the options in additional_config"
+
+
+def cli_no_gpu_message(argv: list[str], device_type: str, options: bool = False) -> str | None:
     """``no_gpu_message`` for a command line such as ``vllm serve MODEL --hf-overrides ... -pcp 2``,
     read with vLLM's own argument rules (dashes or underscores, ``--model``, ``--config`` files, dotted
-    JSON keys); None if it does not ask for our model at pcp > 1 or cannot be read."""
+    JSON keys); None if it does not ask for our model at pcp > 1 or cannot be read. ``options``: a bad
+    ``--additional-config`` gives its own message first (starting with ``OPTIONS_ERROR``)."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     class Reader(FlexibleArgumentParser):
@@ -302,12 +403,17 @@ def cli_no_gpu_message(argv: list[str], device_type: str) -> str | None:
     reader.add_argument("--hf-overrides")
     reader.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     reader.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
+    reader.add_argument("--additional-config")
     try:
         args = reader.parse_args(list(argv))
     except (Exception, SystemExit):  # noqa: BLE001 - unreadable: vLLM's own message stands
         return None
     if not names_our_architecture(args.model or args.model_tag, args.hf_overrides):
         return None
+    if options and args.additional_config is not None:
+        message = options_message(args.additional_config, args.prefill_context_parallel_size)
+        if message is not None:
+            return f"{OPTIONS_ERROR} are not valid: {message}"
     return no_gpu_message(args.prefill_context_parallel_size, args.tensor_parallel_size, device_type)
 
 

@@ -7,9 +7,11 @@ all read it without importing each other.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 
 ARCHITECTURE = "Qwen3_6ForCausalLM"
+OPTIONS_KEY = "qwen36_pcp"  # additional_config={"qwen36_pcp": {...}}
 
 LAYOUTS = ("zigzag", "contiguous")
 GDN_MODES = ("relay", "state_passing", "island")
@@ -46,12 +48,15 @@ class PCPConfig:
 
     @classmethod
     def from_additional_config(cls, additional_config: dict | None) -> PCPConfig:
-        options = dict((additional_config or {}).get("qwen36_pcp", {}) or {})
+        options = (additional_config or {}).get(OPTIONS_KEY, {}) or {}
+        if not isinstance(options, dict):
+            raise ValueError(f"qwen36_pcp: additional_config['{OPTIONS_KEY}'] must be a JSON object of "
+                             f"options, got {options!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(
-                f"qwen36_pcp: unknown option(s) {unknown} in additional_config['qwen36_pcp']; "
+                f"qwen36_pcp: unknown option(s) {unknown} in additional_config['{OPTIONS_KEY}']; "
                 f"known: {sorted(known)}"
             )
         return cls(**options)
@@ -80,6 +85,27 @@ class PCPConfig:
             return False
         threshold = self.split_threshold(world_size)
         return any(int(n) >= threshold for n in num_new_tokens)
+
+
+def misspelled_option_keys(additional_config: dict | None) -> list[str]:
+    """Keys of ``additional_config`` that look like a misspelling of ``qwen36_pcp`` (vLLM passes the
+    dict through unread, so ``{"qwen36pcp": {...}}`` would otherwise be ignored without a word)."""
+    keys = [k for k in (additional_config or {}) if isinstance(k, str) and k != OPTIONS_KEY]
+    squeezed = OPTIONS_KEY.replace("_", "")
+    return [k for k in keys if difflib.get_close_matches(k.lower().replace("_", "").replace("-", ""),
+                                                         [squeezed], n=1, cutoff=0.75)]
+
+
+def below_split_floor(config: PCPConfig, world_size: int) -> str | None:
+    """A note when ``min_split_tokens`` is under the split floor (64 tokens per block), with the value
+    in effect; None otherwise."""
+    floor = config.split_threshold(world_size)
+    if world_size <= 1 or config.min_split_tokens >= floor:
+        return None
+    return (f"qwen36_pcp: min_split_tokens={config.min_split_tokens} is under the split floor of "
+            f"{GDN_CHUNK} tokens per block ({config.num_blocks(world_size)} blocks at "
+            f"prefill_context_parallel_size={world_size}, layout={config.layout!r}): prompts of fewer than "
+            f"{floor} new tokens run unsplit")
 
 
 def uses_pcp(vllm_config) -> bool:

@@ -21,12 +21,10 @@ hidden state are the ones kept on every rank, so a split step leaves the same ca
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import torch
 
 from .config import GDN_CHUNK, PCPConfig
 
@@ -43,6 +41,39 @@ class Segment:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SampleRows:
+    """Where each request's last new token (the row vLLM samples from) is gathered from.
+
+    ``full``: its row in the runner's batch; ``send``: the local row this rank sends for it (its own
+    copy where it holds the primary one, else row 0 as filler, so that every rank sends ``num_reqs``
+    rows); ``pick``: the row of ``all_gather(local[send])`` that holds the primary copy
+    (``owner * num_reqs + request``)."""
+
+    full: np.ndarray
+    send: np.ndarray
+    pick: np.ndarray
+
+
+@dataclass(frozen=True)
+class AttentionSeqs:
+    """Rank r's virtual sequences for end-aligned causal attention, one per local segment: query
+    bounds ``cu_q`` [S+1] (int32), keys used ``seqused_k`` [S] (int32) and the request ``reqs`` [S]."""
+
+    cu_q: np.ndarray
+    seqused_k: np.ndarray
+    reqs: np.ndarray
+
+
+@dataclass(frozen=True)
+class ConvSources:
+    """Rows of the conv-halo table (see ``PCPPlan.conv_sources``): ``halo`` [S_r, width-1] for rank
+    r's segments, ``final`` [num_reqs, width-1] for each request's new conv state."""
+
+    halo: np.ndarray
+    final: np.ndarray
 
 
 def block_bounds(num_tokens: int, num_blocks: int) -> np.ndarray:
@@ -67,7 +98,7 @@ def block_owner(block: int, world_size: int, layout: str) -> int:
 class PCPPlan:
     """Which rank computes which tokens this step, and every index map the layers need.
 
-    All fields are numpy (host). ``device_tensors`` copies the ones the GPU needs, once per step.
+    All fields are numpy (host); ``layers.context.PCPContext`` copies what the GPU needs, once per step.
     """
 
     def __init__(
@@ -77,7 +108,6 @@ class PCPPlan:
         world_size: int,
         rank: int,
         config: PCPConfig = PCPConfig(),
-        num_tokens_padded: int | None = None,
     ):
         self.num_computed = np.asarray(num_computed, dtype=np.int64)
         self.num_new = np.asarray(num_new, dtype=np.int64)
@@ -93,11 +123,6 @@ class PCPPlan:
         self.num_reqs = len(self.num_new)
         self.req_start = np.concatenate([[0], np.cumsum(self.num_new)]).astype(np.int64)
         self.num_tokens = int(self.req_start[-1])
-        self.num_tokens_padded = (
-            self.num_tokens if num_tokens_padded is None else int(num_tokens_padded)
-        )
-        if self.num_tokens_padded < self.num_tokens:
-            raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
         self.num_blocks = config.num_blocks(self.world_size)
         threshold = config.split_threshold(self.world_size)
         self.split = (self.num_new >= threshold) & (self.world_size > 1)
@@ -169,23 +194,17 @@ class PCPPlan:
         last_full = self.req_start[1:] - 1
         return self.gathered_of_full[last_full] // self.t_pad
 
-    def sample_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The rows vLLM samples from (each request's last new token) and where they are gathered from.
-
-        Returns ``(full, send, pick)``, each per request: its last token's full index; the local row
-        this rank sends for it (its own copy where it holds the primary one, else row 0 as filler, so
-        that every rank sends ``num_reqs`` rows); the row of ``all_gather(local[send])`` that holds the
-        primary copy (``owner * num_reqs + request``).
-        """
+    def sample_rows(self) -> SampleRows:
+        """The rows vLLM samples from (each request's last new token) and where they are gathered from."""
         full = self.req_start[1:] - 1
         owner = self.last_token_owner()
         send = np.where(owner == self.rank, self.gathered_of_full[full] % self.t_pad, 0)
         pick = owner * self.num_reqs + np.arange(self.num_reqs)
-        return full, send, pick
+        return SampleRows(full, send, pick)
 
     # -------------------------------------------------- attention (per rank)
-    def attention_vseqs(self, r: int | None = None):
-        """Virtual sequences of rank r: (cu_q, seqused_k, request) for end-aligned causal attention.
+    def attention_seqs(self, r: int | None = None) -> AttentionSeqs:
+        """Virtual sequences of rank r for end-aligned causal attention.
 
         Segment [start, end) of request i with c cached tokens attends keys [0, c + start + q] for its
         q-th query: flash-attention's bottom-right causal mask with seqused_k = c + end gives exactly that.
@@ -195,7 +214,7 @@ class PCPPlan:
         cu_q = self.seg_offsets[r].astype(np.int32)
         seqused_k = np.array([self.num_computed[s.req] + s.end for s in segs], dtype=np.int32)
         reqs = np.array([s.req for s in segs], dtype=np.int64)
-        return cu_q, seqused_k, reqs
+        return AttentionSeqs(cu_q, seqused_k, reqs)
 
     def gathered_full_idx(self) -> np.ndarray:
         """Full index of each gathered row that must be written to the KV cache, else -1."""
@@ -243,14 +262,12 @@ class PCPPlan:
             for b in range(first, last + 1)
         }
 
-    def conv_sources(self, width: int, r: int | None = None):
+    def conv_sources(self, width: int, r: int | None = None) -> ConvSources:
         """Where each conv input needed across segment boundaries comes from.
 
         Index space (rows of [D]-vectors): ``tails`` of every rank's segments first (rank-major,
         segment, width-1 rows each: the segment's last width-1 inputs), then the cached conv state of
         every request (width-1 rows each, oldest first), then one zero row.
-        Returns (halo [S_r, width-1] for rank r's segments, final [num_reqs, width-1] for each request's
-        new conv state).
         """
         r = self.rank if r is None else r
         w1 = width - 1
@@ -284,7 +301,7 @@ class PCPPlan:
             [[locate(i, int(self.num_new[i]) - w1 + w) for w in range(w1)] for i in range(self.num_reqs)],
             dtype=np.int64,
         ).reshape(-1, w1)
-        return halo, final
+        return ConvSources(halo, final)
 
     def tail_rows(self, width: int, r: int | None = None) -> np.ndarray:
         """[S_r, width-1] local rows holding each segment's last width-1 inputs (clamped in range)."""
@@ -293,57 +310,3 @@ class PCPPlan:
         ends = self.seg_offsets[r][1:]
         rows = ends[:, None] - w1 + np.arange(w1)[None, :]
         return np.clip(rows, 0, max(self.t_pad - 1, 0)).astype(np.int64)
-
-    # ------------------------------------------------------------- device
-    def device_tensors(self, device) -> PlanTensors:
-        cached = getattr(self, "_device_cache", None)
-        if cached is not None and cached.device == torch.device(device):
-            return cached
-        self._device_cache = PlanTensors.build(self, torch.device(device))
-        return self._device_cache
-
-
-@dataclass
-class PlanTensors:
-    """The per-step index tensors, copied to the device once and shared by every layer."""
-
-    device: torch.device
-    local_idx: torch.Tensor  # [t_pad] full index per local row (padding -> 0)
-    gathered_full_idx: torch.Tensor  # [N*t_pad] full index to write, -1 to skip
-    gathered_of_full: torch.Tensor  # [num_tokens] gathered row of each full token's primary copy
-    cu_q: torch.Tensor  # [S+1] int32, local segments
-    seqused_k: torch.Tensor  # [S] int32
-    seg_req: torch.Tensor  # [S] int64
-    max_q: int
-    max_k: int
-    num_local_tokens: int
-    cu_q_cpu: torch.Tensor
-    extra: dict = dataclasses.field(default_factory=dict)  # per-layer-kind caches (conv width, ...)
-
-    @property
-    def num_segments(self) -> int:
-        return int(self.seg_req.shape[0])
-
-    @classmethod
-    def build(cls, plan: PCPPlan, device: torch.device) -> PlanTensors:
-        cu_q, seqused_k, reqs = plan.attention_vseqs()
-        local = plan.local_full_idx[plan.rank].copy()
-        local[local < 0] = 0
-
-        def to(x, dtype):
-            return torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype).to(device, non_blocking=True)
-
-        lens = np.diff(cu_q)
-        return cls(
-            device=device,
-            local_idx=to(local, torch.int64),
-            gathered_full_idx=to(plan.gathered_full_idx(), torch.int64),
-            gathered_of_full=to(plan.gathered_of_full, torch.int64),
-            cu_q=to(cu_q, torch.int32),
-            seqused_k=to(seqused_k, torch.int32),
-            seg_req=to(reqs, torch.int64),
-            max_q=int(lens.max()) if len(lens) else 0,
-            max_k=int(seqused_k.max()) if len(seqused_k) else 0,
-            num_local_tokens=plan.num_local_tokens,
-            cu_q_cpu=torch.from_numpy(cu_q.copy()),
-        )

@@ -58,5 +58,5 @@ def split_attention_reference(ctx: PCPContext, query, key, value, key_cache, val
     write_kv_reference(k_all, v_all, key_cache, value_cache, slots)
     t = ctx.t
     return paged_causal_attention_reference(
-        query, key_cache, value_cache, t.cu_q, t.seqused_k, vseq_block_table(ctx, block_table), scale
+        query, key_cache, value_cache, t.segments.cu, t.seqused_k, vseq_block_table(ctx, block_table), scale
     )

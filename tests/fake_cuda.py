@@ -7,7 +7,7 @@ first thing in a fresh process; nothing here ever runs a kernel.
 
 ``use_fake_cuda()`` must come before vLLM's config modules are imported: several of them bind
 ``current_platform`` at import (``vllm.config.model``, ``vllm.config.parallel``, ...), so in a process
-forked from ``tests.dist``'s server (which preloads ``vllm.config``) they would keep vLLM's real
+forked from ``harness.dist``'s server (which preloads ``vllm.config``) they would keep vLLM's real
 (unspecified) platform. ``RankServer`` is the cheap way to run many such processes: one spawned process
 sets the fake platform up first, imports vLLM and the plugin once, and forks fresh ranks from there.
 """
@@ -57,13 +57,18 @@ def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 
     ``initialize_model_parallel`` (PCP x TP, TP fastest; each process calls this with the same port)."""
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     model_cls, _ = get_model_architecture(vllm_config.model_config)
     with set_current_vllm_config(vllm_config), torch.device("cpu"):
-        init_distributed_environment(tp * pcp_ranks, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
-        initialize_model_parallel(tp, 1, prefill_context_model_parallel_size=pcp_ranks, backend="gloo")
+        if not model_parallel_is_initialized():  # a second model in the process joins the same world
+            init_distributed_environment(tp * pcp_ranks, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+            initialize_model_parallel(tp, 1, prefill_context_model_parallel_size=pcp_ranks, backend="gloo")
         return model_cls(vllm_config=vllm_config, prefix="")
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen36_pcp.config import GDN_CHUNK
+from qwen36_pcp.layers.context import Varlen
 from qwen36_pcp.layers.gdn_cp import GDNWeights
 
 
@@ -52,10 +53,10 @@ class TorchGDNKernels:
     """fp32 torch kernels (CPU), same contracts as ``VllmGDNKernels`` and the same chunk grid."""
 
     @staticmethod
-    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu", cache=None):
+    def conv(x, weight, bias, init_states, seqs: Varlen, activation="silu"):
         """x [T, D]; init_states [S, D, W-1] (the W-1 inputs before each segment) -> [T, D]."""
         out = torch.empty_like(x)
-        bounds = cu_cpu.tolist()
+        bounds = seqs.cu_cpu.tolist()
         w = weight.float()
         for s in range(len(bounds) - 1):
             a, b = bounds[s], bounds[s + 1]
@@ -86,7 +87,7 @@ class TorchGDNKernels:
 
     # the three stages of fla's chunked forward (the relay calls them separately)
     @staticmethod
-    def chunk_local(q, k, v, g, beta, cu, cu_cpu, cache=None):
+    def chunk_local(q, k, v, g, beta, seqs: Varlen):
         """Per chunk of ``cu``'s grid: cumulative log decay G, and the WY factors w, u."""
         rep = v.shape[1] // q.shape[1]
         kf = k.float().repeat_interleave(rep, 1)
@@ -95,7 +96,7 @@ class TorchGDNKernels:
         G = torch.zeros(T, HV)
         w = torch.zeros(T, HV, kf.shape[-1])
         u = torch.zeros(T, HV, vf.shape[-1])
-        for seq in chunk_grid(cu_cpu):
+        for seq in chunk_grid(seqs.cu_cpu):
             for c0, c1 in seq:
                 Gc = _heads_first(gf[c0:c1].cumsum(0))  # [HV, L]
                 kc, bc = _heads_first(kf[c0:c1]), _heads_first(bf[c0:c1])[..., None]
@@ -108,12 +109,12 @@ class TorchGDNKernels:
         return SimpleNamespace(q=q.float().repeat_interleave(rep, 1), k=kf, G=G, w=w, u=u, dtype=v.dtype)
 
     @staticmethod
-    def chunk_states(prep, lo, hi, init, cu, cu_cpu, cache=None):
-        """Rows [lo, hi) as sequences ``cu`` (relative to lo) from ``init`` [S, HV, V, K] -> (final fp32,
+    def chunk_states(prep, lo, hi, init, seqs: Varlen):
+        """Rows [lo, hi) as sequences ``seqs`` (relative to lo) from ``init`` [S, HV, V, K] -> (final fp32,
         pending: the state before each chunk and v_new, for ``chunk_outputs``)."""
         final = torch.empty(init.shape, dtype=torch.float32)
         h, v_new = [], torch.zeros(hi - lo, *prep.u.shape[1:])
-        for s, seq in enumerate(chunk_grid(cu_cpu, offset=lo)):
+        for s, seq in enumerate(chunk_grid(seqs.cu_cpu, offset=lo)):
             S = init[s].float().transpose(-1, -2)  # [HV, K, V]
             for c0, c1 in seq:
                 h.append(S)
@@ -127,11 +128,11 @@ class TorchGDNKernels:
         return final, (h, v_new)
 
     @staticmethod
-    def chunk_outputs(prep, lo, hi, pending, cu, cu_cpu, cache=None):
+    def chunk_outputs(prep, lo, hi, pending, seqs: Varlen):
         h, v_new = pending
         scale = prep.k.shape[-1] ** -0.5
         o = torch.zeros(hi - lo, *v_new.shape[1:])
-        chunks = [c for seq in chunk_grid(cu_cpu, offset=lo) for c in seq]
+        chunks = [c for seq in chunk_grid(seqs.cu_cpu, offset=lo) for c in seq]
         for (c0, c1), S in zip(chunks, h, strict=True):
             qc, kc, Gc = (_heads_first(x[c0:c1]) for x in (prep.q, prep.k, prep.G))
             vn = _heads_first(v_new[c0 - lo : c1 - lo])
@@ -141,12 +142,12 @@ class TorchGDNKernels:
         return o.to(prep.dtype)
 
     @classmethod
-    def chunk(cls, q, k, v, g, beta, init, cu, cu_cpu, scale=None, cache=None):
-        """The whole chunked scan of sequences ``cu`` -> (o in v's dtype, final states fp32)."""
+    def chunk(cls, q, k, v, g, beta, init, seqs: Varlen, scale=None):
+        """The whole chunked scan of ``seqs`` -> (o in v's dtype, final states fp32)."""
         assert scale is None or scale == q.shape[-1] ** -0.5
-        prep = cls.chunk_local(q, k, v, g, beta, cu, cu_cpu)
-        final, pending = cls.chunk_states(prep, 0, q.shape[0], init, cu, cu_cpu)
-        return cls.chunk_outputs(prep, 0, q.shape[0], pending, cu, cu_cpu), final
+        prep = cls.chunk_local(q, k, v, g, beta, seqs)
+        final, pending = cls.chunk_states(prep, 0, q.shape[0], init, seqs)
+        return cls.chunk_outputs(prep, 0, q.shape[0], pending, seqs), final
 
     @staticmethod
     def recurrent(q, k, v, g, beta, init, cu_cpu):
@@ -166,31 +167,3 @@ class TorchGDNKernels:
                 o[t] = (X @ (scale * qf[t])[:, :, None])[..., 0]
             final[s] = X
         return o, final
-
-
-def gdn_full_reference(kernels, mixed_qkv, b, a, out, w: GDNWeights, conv_state, ssm_state,
-                       state_idx, num_computed, cu_cpu):
-    """The plain (unsplit) GDN core of a batch of requests, with the given kernels; writes the states.
-
-    conv_state [lines, D, W-1]; ``num_computed`` (host ints) says which requests continue from the cache.
-    """
-    has_init = torch.tensor([int(c) > 0 for c in num_computed], device=mixed_qkv.device)
-    init_conv = conv_state.index_select(0, state_idx).to(mixed_qkv.dtype)
-    init_conv = torch.where(has_init[:, None, None], init_conv, 0)  # [R, D, W-1]
-    cu = cu_cpu.to(mixed_qkv.device)
-    width = w.conv_weight.shape[1]
-    bounds = cu_cpu.tolist()
-    new_conv = [  # before the conv kernel, which writes its final states into init_conv
-        torch.cat([init_conv[i].transpose(0, 1), mixed_qkv[bounds[i] : bounds[i + 1]]], 0)[-(width - 1) :]
-        for i in range(len(bounds) - 1)
-    ]
-    scratch = init_conv.transpose(1, 2).contiguous().transpose(1, 2)  # SD layout, like vLLM's cache
-    y = kernels.conv(mixed_qkv, w.conv_weight, w.conv_bias, scratch, cu, cu_cpu, w.activation)
-    for i, state in enumerate(new_conv):
-        conv_state[state_idx[i]] = state.transpose(0, 1).to(conv_state.dtype)
-    q, k, v, g, beta = kernels.prep(y, a, b, w)
-    init = ssm_state.index_select(0, state_idx).float()
-    init = torch.where(has_init[:, None, None, None], init, 0.0)
-    o, final = kernels.chunk(q, k, v, g, beta, init, cu, cu_cpu)
-    ssm_state[state_idx] = final.to(ssm_state.dtype)
-    out[: o.shape[0]] = o.to(out.dtype)

@@ -18,7 +18,7 @@ from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.layers.gdn_cp import gdn_island, gdn_relay, gdn_state_passing
 from qwen36_pcp.plan import PCPPlan
 
-from .gdn_reference import gdn_full_reference
+from harness.gdn_unsplit import gdn_unsplit_core
 from .layer_cases import cu_of
 
 MODES = ("relay", "state_passing", "island")
@@ -45,7 +45,7 @@ def full_core(kernels, inp, w, num_computed, num_new, out_shape, dtype):
     """The unsplit GDN core of the batch -> (out, conv_state, ssm_state)."""
     conv, ssm = inp["conv_state"].clone(), inp["ssm_state"].clone()
     out = torch.zeros(out_shape, dtype=dtype, device=inp["mixed_qkv"].device)
-    gdn_full_reference(kernels, inp["mixed_qkv"], inp["b"], inp["a"], out, w, conv, ssm,
+    gdn_unsplit_core(kernels, inp["mixed_qkv"], inp["b"], inp["a"], out, w, conv, ssm,
                        inp["state_idx"], num_computed, cu_of(num_new))
     return out, conv, ssm
 
@@ -67,7 +67,7 @@ def rank_modes(rank, group, kernels, inp, w, num_computed, num_new, config, devi
         out = torch.full((plan.t_pad, hv, dv), 7.0, dtype=dtype, device=device)
         if mode == "island":
             def core(qkv, b, a, o, conv=conv, ssm=ssm):
-                gdn_full_reference(kernels, qkv, b, a, o, w, conv, ssm, inp["state_idx"], num_computed,
+                gdn_unsplit_core(kernels, qkv, b, a, o, w, conv, ssm, inp["state_idx"], num_computed,
                                    cu_of(num_new))
             gdn_island(ctx, core, *local, out)
         else:

@@ -1,5 +1,5 @@
 """The first output token's detokenization primed from the end of the prompt gives the same text as
-vLLM's priming from the whole prompt (``runner_hooks.detokenizer_prompt_tail``), with vLLM's own
+vLLM's priming from the whole prompt (``qwen36_pcp.prompt_tail``, applied by ``patches``), with vLLM's own
 ``FastIncrementalDetokenizer`` and the byte-level tokenizer of the tiny checkpoint.
 
 Prompts and outputs are random ids over the whole vocabulary: ids 0-255 are single bytes, so prompts
@@ -40,11 +40,11 @@ def _texts(tokenizer, prompt, outputs, skip_special_tokens, tail_fn):
 
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    from qwen36_pcp import runner_hooks
+    from qwen36_pcp import patches
 
     request = _request(prompt, skip_special_tokens)
-    with mock.patch.object(runner_hooks, "_front_end_serves_pcp", tail_fn is not None), \
-            mock.patch.object(runner_hooks, "prompt_tail", tail_fn or runner_hooks.prompt_tail):
+    with mock.patch.object(patches, "serves_pcp", lambda: tail_fn is not None), \
+            mock.patch.object(patches, "prompt_tail", tail_fn or patches.prompt_tail):
         detok = FastIncrementalDetokenizer(tokenizer, request)
     out = []
     for token in outputs:
@@ -67,11 +67,24 @@ def _cases(tokenizer, rng):
         yield prompt[: len(prompt) - k], out  # cut inside a character for some k
 
 
-def test_prompt_tail_emits_the_same_text(tokenizer):
-    from qwen36_pcp import runner_hooks
-    from qwen36_pcp.runner_hooks import PROMPT_TAILS, detokenizer_prompt_tail
+@pytest.fixture
+def detokenizer_patch():
+    """The one patch under test, installed in this process for the test and removed after it."""
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    detokenizer_prompt_tail()  # idempotent: what register() installs
+    from qwen36_pcp import patches
+
+    patch = next(p for p in patches.PATCHES if p.owner is FastIncrementalDetokenizer)
+    patch.install()
+    patch.install()  # idempotent
+    yield
+    patch.uninstall()
+    assert not hasattr(FastIncrementalDetokenizer.__init__, patches.ORIGINAL)
+
+
+def test_prompt_tail_emits_the_same_text(tokenizer, detokenizer_patch):
+    from qwen36_pcp.prompt_tail import PROMPT_TAILS, prompt_tail
+
     rng = random.Random(0)
 
     def careless(tok, request):  # the shortest tail whatever it decodes to
@@ -82,9 +95,9 @@ def test_prompt_tail_emits_the_same_text(tokenizer):
     for prompt, outputs in _cases(tokenizer, rng):
         for skip in (True, False):
             whole = _texts(tokenizer, prompt, outputs, skip, None)
-            tailed = _texts(tokenizer, prompt, outputs, skip, runner_hooks.prompt_tail)
+            tailed = _texts(tokenizer, prompt, outputs, skip, prompt_tail)
             assert tailed == whole, (prompt[-8:], outputs, skip)
-            primed_from_tail += runner_hooks.prompt_tail(tokenizer, _request(prompt, skip)) is not None
+            primed_from_tail += prompt_tail(tokenizer, _request(prompt, skip)) is not None
             careless_differs += _texts(tokenizer, prompt, outputs, skip, careless) != whole
     print(f"primed from a tail: {primed_from_tail} of 140; a careless tail differs: {careless_differs}")
     assert primed_from_tail >= 60  # most prompts took the short path
@@ -97,7 +110,7 @@ def test_other_decoders_keep_vllms_priming():
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    from qwen36_pcp.runner_hooks import prompt_tail
+    from qwen36_pcp.prompt_tail import prompt_tail
 
     backend = Tokenizer(models.WordLevel({"\u2581a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     backend.decoder = decoders.Metaspace()

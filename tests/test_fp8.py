@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import run_isolated
+from harness.dist import run_isolated
 
 ARCH = "Qwen3_6ForCausalLM"
 OVERRIDES = {"architectures": [ARCH]}
@@ -81,7 +81,7 @@ def _vllm_side(root):
 
     type(platforms._current_platform).get_device_total_memory = classmethod(lambda cls, i=0: H100_80GB)
 
-    from tests.dist import error_of
+    from harness.dist import error_of
 
     out["h100"] = {case: error_of(lambda: config(name, tp, **kw)) for case, name, tp, kw in (
         ("bf16_tp1", "big", 1, {}), ("bf16_tp2", "big", 2, {}), ("fp8_checkpoint_tp1", "big_fp8", 1, {}))}

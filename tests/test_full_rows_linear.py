@@ -19,7 +19,7 @@ def test_narrow_linear_runs_on_the_steps_full_row_count(monkeypatch):
     monkeypatch.setattr(frl.F, "linear", linear)
     x, w = torch.randn(5, 8), torch.randn(1, 8)
     ref = real(x, w)
-    for ctx, rows in ((None, 5), (SimpleNamespace(plan=SimpleNamespace(num_tokens_padded=12)), 12)):
+    for ctx, rows in ((None, 5), (SimpleNamespace(num_tokens_padded=12), 12)):
         monkeypatch.setattr(frl, "current_pcp_context", lambda ctx=ctx: ctx)
         out = torch.ops.vllm.qwen36_pcp_full_rows_linear(x, w, None)
         assert shapes.pop() == (rows, 8)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from qwen36_pcp.layers.context import PCPContext
+from qwen36_pcp.layers.context import PCPContext, Varlen
 from qwen36_pcp.layers.gdn_cp import conv_with_halo
 from qwen36_pcp.plan import PCPConfig, PCPPlan
 
-from .dist import run_distributed
+from harness.dist import run_distributed
 from .gdn_reference import TorchGDNKernels
 from .gdn_sweep import (
     case_name, compare, full_core, rank_modes, sweep_batches, sweep_configs, unaligned_blocks, worst_of,
@@ -51,7 +51,7 @@ def test_chunked_reference_matches_recurrent_and_sees_a_wrong_chunk_grid():
     lens = [1, 63, 64, 65, 200, 130]
     cu = cu_of(lens)
     q, k, v, gate, beta, h0 = _random_scan_inputs(1, sum(lens), S=len(lens))
-    o, final = TorchGDNKernels.chunk(q, k, v, gate, beta, h0, cu, cu)
+    o, final = TorchGDNKernels.chunk(q, k, v, gate, beta, h0, Varlen(cu, cu))
     o_ref, final_ref = TorchGDNKernels.recurrent(q, k, v, gate, beta, h0, cu)
     torch.testing.assert_close(o.float(), o_ref, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=2e-5)
@@ -60,9 +60,10 @@ def test_chunked_reference_matches_recurrent_and_sees_a_wrong_chunk_grid():
     for first, ok in ((192, True), (200, False)):
         lens2 = [1, 63, 64, 65, first, 330 - first]
         cu_local, cu_run = cu_of(lens2), cu_of([1, 63, 64, 65, 330])
-        prep = TorchGDNKernels.chunk_local(q, k, v, gate, beta, cu_local, cu_local)
-        fin, pend = TorchGDNKernels.chunk_states(prep, 0, sum(lens2), h0[:5], cu_run, cu_run)
-        out = TorchGDNKernels.chunk_outputs(prep, 0, sum(lens2), pend, cu_run, cu_run)
+        local, run = Varlen(cu_local, cu_local), Varlen(cu_run, cu_run)
+        prep = TorchGDNKernels.chunk_local(q, k, v, gate, beta, local)
+        fin, pend = TorchGDNKernels.chunk_states(prep, 0, sum(lens2), h0[:5], run)
+        out = TorchGDNKernels.chunk_outputs(prep, 0, sum(lens2), pend, run)
         ref, ref_fin = TorchGDNKernels.recurrent(q, k, v, gate, beta, h0[:5], cu_run)
         err = (out.float() - ref).abs().max().item()
         assert (err < 2e-5) == ok, (first, err)
@@ -125,7 +126,8 @@ def _conv_worker(rank, group):
     ref_state = case["conv_state"].clone()
     init = torch.where(torch.tensor(num_computed)[:, None, None] > 0,
                        case["conv_state"][case["state_idx"]], 0.0)
-    y_ref = TorchGDNKernels.conv(case["mixed_qkv"], w.conv_weight, w.conv_bias, init, None, cu_of(num_new))
+    cu = cu_of(num_new)
+    y_ref = TorchGDNKernels.conv(case["mixed_qkv"], w.conv_weight, w.conv_bias, init, Varlen(cu, cu))
     T = plan.num_local_tokens
     torch.testing.assert_close(y, y_ref[rows[:T]], rtol=1e-6, atol=1e-6)
     for i, (c, n) in enumerate(zip(num_computed, num_new)):

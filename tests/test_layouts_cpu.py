@@ -173,8 +173,7 @@ def _model_on_rank(rank, world_size, port, ckpt, tp, pcp, additional_config):
         "tp_rank": get_tp_group().rank_in_group, "pcp_rank": get_pcp_group().rank_in_group,
         "gdn": sorted({type(m).__name__ for m in model.modules() if "DeltaNet" in type(m).__name__}),
         "impls": sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl")}),
-        "full_rows": sorted(n for n, m in model.named_modules()
-                            if type(m).__name__ == "FullRowsReplicatedLinear"),
+        "full_rows": sorted(n for n, m in model.named_modules() if getattr(m, "full_rows", False)),
         "experts": {},
     }
     with safe_open(f"{ckpt}/model.safetensors", "pt") as f:
@@ -318,3 +317,49 @@ def test_whole_experts_memory_check_divides_by_tp_not_by_pcp(server, tiny_ckpt):
                f"gpu_memory_utilization={util} allows" in msg, msg
         assert f"({_gib(need / tp / pcp)} each)" in msg, msg
         assert len(re.findall("GiB", msg)) == 3
+
+
+# ----------------------------------------------------------------------- 5. the runner's block tables
+def _block_tables(rank, world_size, port):
+    """vLLM's block tables for a 1000-token model length in a PCP group of ``world_size``: outside the
+    runner's ``pcp1_block_tables`` a row holds 1/pcp of the sequence's blocks; inside, all of them."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.v1.worker import block_table as bt
+    from vllm.v1.worker import gpu_model_runner as gmr
+
+    from types import SimpleNamespace
+
+    from qwen36_pcp.runner import PCPModelRunner, pcp1_block_tables
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+        initialize_model_parallel(1, 1, prefill_context_model_parallel_size=world_size, backend="gloo")
+
+    def table():
+        return bt.MultiGroupBlockTable(max_num_reqs=2, max_model_len=1000, max_num_batched_tokens=64,
+                                       pin_memory=False, device=torch.device("cpu"), block_sizes=[16],
+                                       kernel_block_sizes=[16])
+
+    originals = (bt.get_total_cp_world_size, gmr.get_total_cp_world_size)
+    sharded = table()
+    with pcp1_block_tables():
+        whole = table()
+    restored = (bt.get_total_cp_world_size, gmr.get_total_cp_world_size) == originals
+    runner = object.__new__(PCPModelRunner)
+    runner.input_batch = SimpleNamespace(block_table=whole)
+    runner._replicate_block_tables()
+    t = whole.block_tables[0]
+    return {"sharded": sharded.block_tables[0].max_num_blocks_per_req, "whole": t.max_num_blocks_per_req,
+            "restored": restored, "pcp_fields": (t.pcp_world_size, t.pcp_rank),
+            "vllm_fields": (sharded.block_tables[0].pcp_world_size, sharded.block_tables[0].pcp_rank)}
+
+
+def test_runner_block_tables_hold_the_whole_sequence(server):
+    """The PCP runner's block tables on two PCP ranks of vLLM's process groups."""
+    ranks = server.run(_block_tables, 2)
+    for rank, r in enumerate(ranks):
+        assert r["sharded"] == 32 and r["whole"] == 63  # cdiv(1000, 16 x 2) and cdiv(1000, 16)
+        assert r["restored"]
+        assert r["vllm_fields"] == (2, rank) and r["pcp_fields"] == (1, 0)

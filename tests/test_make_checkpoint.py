@@ -9,8 +9,6 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -564,344 +562,93 @@ def test_help_names_every_option_and_its_default(capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# every tensor is mapped to a model parameter or skipped by an explicit rule
+# vLLM's own models of the published architecture load every tensor
 # ---------------------------------------------------------------------------------------------
 
-# A mapping says, for one checkpoint tensor, which (parameter, shard) slots it loads into. The
-# check is two-sided: every tensor maps to >= 1 known slot or matches a skip rule, and every
-# expected slot is filled exactly once. `shard` distinguishes the pieces of a stacked/fused
-# parameter (q/k/v of qkv_proj, w1/w3 of expert e in w13_weight, ...).
 
+def _vllm_loads(ckpt: str, drop: str | None, extra: str | None) -> dict:
+    """vLLM 0.20.2's own model of the checkpoint's architecture (config.json: the vision-language
+    Qwen3.5 class, vision tower included) and its MTP draft model (``speculative_config`` method
+    "mtp"), built on the CPU and loaded from the checkpoint by vLLM's own loaders.
 
-@dataclass
-class WeightMapping:
-    map_name: Callable[
-        [str], list[tuple[str, str]]
-    ]  # tensor name -> [(param name, shard)]
-    expected: set[tuple[str, str]]  # every (param name, shard) the model needs
-    skip: list[tuple[str, str]] = field(default_factory=list)  # (regex, reason)
+    Every parameter starts as NaN, so an element no tensor was loaded into stays NaN; every weight
+    loader call is recorded by the storage of the tensor it was handed, so a checkpoint tensor that
+    never reached a parameter is seen (vLLM's Qwen3.5 loaders pass over names they do not know).
+    ``drop``: a tensor left out; ``extra``: a tensor added under that name."""
+    import copy
 
+    from tests.fake_cuda import build_model, engine_config, free_port, use_fake_cuda
 
-def check_mapping(tensor_names, mapping: WeightMapping) -> dict[str, list]:
-    """Apply ``mapping`` to ``tensor_names``; return the problems (all lists empty = OK)."""
-    skip = [(re.compile(p), why) for p, why in mapping.skip]
-    unmapped, unknown, seen, dup = [], [], set(), []
-    for name in tensor_names:
-        if any(p.search(name) for p, _ in skip):
-            continue
-        targets = mapping.map_name(name)
-        if not targets:
-            unmapped.append(name)
-        for slot in targets:
-            if slot not in mapping.expected:
-                unknown.append((name, slot))
-            elif slot in seen:
-                dup.append((name, slot))
-            seen.add(slot)
-    return {
-        "unmapped_tensors": unmapped,
-        "targets_not_in_model": unknown,
-        "slots_loaded_twice": dup,
-        "params_not_loaded": sorted(mapping.expected - seen),
-    }
-
-
-def stock_vllm_mapping(config: dict) -> WeightMapping:
-    """Placeholder target: vLLM 0.20.2's own Qwen3_5(Moe)ForConditionalGeneration (+ the
-    Qwen3_5(Moe)MTP draft model, under "draft."), written out from its hf_to_vllm_mapper and
-    load_weights rules. Vision tensors are skipped.
-
-    TODO(wire to qwen36_pcp.model): replace this by the mapping of the PCP model class in
-    `qwen36_pcp/model/` -- `map_name` from its hf_to_vllm_mapper + load_weights stacking/expert
-    rules (ideally by calling them, e.g. by running its `load_weights` over
-    (name, meta tensor) pairs and recording the param/shard each lands in), `expected` from its
-    `named_parameters()` (x shards), `skip` from its explicit skip rules (vision tower? mtp.*
-    when no draft model is built?).
-    """
-    t = config["text_config"]
-    moe = "num_experts" in t
-    n_exp = t.get("num_experts", 0)
-
-    def layer_slots(prefix: str, layer_type: str) -> set[tuple[str, str]]:
-        s = {
-            (f"{prefix}.input_layernorm.weight", ""),
-            (f"{prefix}.post_attention_layernorm.weight", ""),
-        }
-        if layer_type == "linear_attention":
-            a = f"{prefix}.linear_attn"
-            s |= {
-                (f"{a}.in_proj_qkvz.weight", "qkv"),
-                (f"{a}.in_proj_qkvz.weight", "z"),
-            }
-            s |= {(f"{a}.in_proj_ba.weight", "b"), (f"{a}.in_proj_ba.weight", "a")}
-            s |= {
-                (f"{a}.{n}", "")
-                for n in (
-                    "conv1d.weight",
-                    "dt_bias",
-                    "A_log",
-                    "norm.weight",
-                    "out_proj.weight",
-                )
-            }
-        else:
-            a = f"{prefix}.self_attn"
-            s |= {(f"{a}.qkv_proj.weight", x) for x in "qkv"}
-            s |= {(f"{a}.{n}.weight", "") for n in ("o_proj", "q_norm", "k_norm")}
-        m = f"{prefix}.mlp"
-        if moe:
-            s |= {(f"{m}.gate.weight", ""), (f"{m}.shared_expert_gate.weight", "")}
-            s |= {(f"{m}.shared_expert.gate_up_proj.weight", x) for x in "01"}
-            s |= {(f"{m}.shared_expert.down_proj.weight", "")}
-            s |= {
-                (f"{m}.experts.w13_weight", f"w{w}/{e}")
-                for e in range(n_exp)
-                for w in (1, 3)
-            }
-            s |= {(f"{m}.experts.w2_weight", f"w2/{e}") for e in range(n_exp)}
-        else:
-            s |= {(f"{m}.gate_up_proj.weight", x) for x in "01"} | {
-                (f"{m}.down_proj.weight", "")
-            }
-        return s
-
-    lm = "language_model.model"
-    expected = {
-        (f"{lm}.embed_tokens.weight", ""),
-        (f"{lm}.norm.weight", ""),
-        ("language_model.lm_head.weight", ""),
-    }
-    for i, lt in enumerate(t["layer_types"]):
-        expected |= layer_slots(f"{lm}.layers.{i}", lt)
-    expected |= {("draft.model.embed_tokens.weight", ""), ("draft.lm_head.weight", "")}
-    expected |= {
-        (f"draft.model.{n}.weight", "")
-        for n in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
-    }
-    for j in range(t["mtp_num_hidden_layers"]):
-        expected |= layer_slots(f"draft.model.layers.{j}", "full_attention")
-
-    def layer_rule(rest: str) -> list[tuple[str, str]]:
-        stacked = [
-            (
-                r"self_attn\.([qkv])_proj\.weight$",
-                "self_attn.qkv_proj.weight",
-                lambda m: m[1],
-            ),
-            (
-                r"linear_attn\.in_proj_(qkv|z)\.weight$",
-                "linear_attn.in_proj_qkvz.weight",
-                lambda m: m[1],
-            ),
-            (
-                r"linear_attn\.in_proj_([ba])\.weight$",
-                "linear_attn.in_proj_ba.weight",
-                lambda m: m[1],
-            ),
-            (
-                r"mlp\.shared_expert\.(gate|up)_proj\.weight$",
-                "mlp.shared_expert.gate_up_proj.weight",
-                lambda m: "0" if m[1] == "gate" else "1",
-            ),
-            (
-                r"^mlp\.(gate|up)_proj\.weight$",
-                "mlp.gate_up_proj.weight",
-                lambda m: "0" if m[1] == "gate" else "1",
-            ),
-            (
-                r"mlp\.experts\.(\d+)\.(gate|up)_proj\.weight$",
-                "mlp.experts.w13_weight",
-                lambda m: f"w{1 if m[2] == 'gate' else 3}/{m[1]}",
-            ),
-            (
-                r"mlp\.experts\.(\d+)\.down_proj\.weight$",
-                "mlp.experts.w2_weight",
-                lambda m: f"w2/{m[1]}",
-            ),
-        ]
-        for pat, param, shard in stacked:
-            m = re.search(pat, rest)
-            if m:
-                return [(param, shard(m))]
-        if (
-            rest == "mlp.experts.gate_up_proj"
-        ):  # fused [E, 2I, H]: chunk(2, dim=-2) -> w1, w3
-            return [
-                ("mlp.experts.w13_weight", f"w{w}/{e}")
-                for e in range(n_exp)
-                for w in (1, 3)
-            ]
-        if rest == "mlp.experts.down_proj":
-            return [("mlp.experts.w2_weight", f"w2/{e}") for e in range(n_exp)]
-        return [(rest, "")]
-
-    def map_name(name: str) -> list[tuple[str, str]]:
-        m = re.match(r"^model\.language_model\.layers\.(\d+)\.(.*)$", name)
-        if m:
-            return [(f"{lm}.layers.{m[1]}.{p}", s) for p, s in layer_rule(m[2])]
-        m = re.match(r"^mtp\.layers\.(\d+)\.(.*)$", name)
-        if m:
-            return [(f"draft.model.layers.{m[1]}.{p}", s) for p, s in layer_rule(m[2])]
-        if name.startswith("mtp."):
-            return [("draft.model." + name[len("mtp.") :], "")]
-        if (
-            name == "model.language_model.embed_tokens.weight"
-        ):  # shared with the MTP draft
-            return [
-                (f"{lm}.embed_tokens.weight", ""),
-                ("draft.model.embed_tokens.weight", ""),
-            ]
-        if name == "lm_head.weight":
-            return [("language_model.lm_head.weight", ""), ("draft.lm_head.weight", "")]
-        if name.startswith("model.language_model."):
-            return [(f"{lm}." + name[len("model.language_model.") :], "")]
-        return []
-
-    return WeightMapping(
-        map_name=map_name,
-        expected=expected,
-        skip=[
-            (r"^model\.visual\.", "vision tower: not part of the text model under test")
-        ],
-    )
-
-
-@pytest.mark.parametrize("which", ["tiny", "tiny_dense"])
-def test_every_tensor_is_mapped_or_skipped(which, request):
-    ckpt = request.getfixturevalue(which)
-    names = list(_tensor_names_and_shapes(ckpt))
-    # TODO(wire to qwen36_pcp.model): use the PCP model's mapping instead of the stock one.
-    mapping = stock_vllm_mapping(_config(ckpt))
-    problems = check_mapping(names, mapping)
-    assert problems == {k: [] for k in problems}, {
-        k: v[:5] for k, v in problems.items()
-    }
-
-
-def test_mapping_check_is_not_vacuous(tiny):
-    names = list(_tensor_names_and_shapes(tiny))
-    mapping = stock_vllm_mapping(_config(tiny))
-    # a dropped tensor leaves a parameter (slot) unloaded
-    dropped = [
-        n for n in names if n != "model.language_model.layers.3.self_attn.k_proj.weight"
-    ]
-    assert check_mapping(dropped, mapping)["params_not_loaded"] == [
-        ("language_model.model.layers.3.self_attn.qkv_proj.weight", "k")
-    ]
-    # dropping one MTP expert leaves its w1/w3/w2 slots unloaded
-    dropped = [n for n in names if not n.startswith("mtp.layers.0.mlp.experts.5.")]
-    assert len(check_mapping(dropped, mapping)["params_not_loaded"]) == 3
-    # an unknown tensor is reported, not silently ignored
-    extra = names + [
-        "model.language_model.layers.0.linear_attn.bogus.weight",
-        "something.else",
-    ]
-    problems = check_mapping(extra, mapping)
-    assert problems["unmapped_tensors"] == ["something.else"]
-    assert [n for n, _ in problems["targets_not_in_model"]] == [
-        "model.language_model.layers.0.linear_attn.bogus.weight"
-    ]
-
-
-@pytest.mark.parametrize("which", ["tiny", "tiny_dense"])
-def test_stock_vllm_loader_accepts_layout(which, request):
-    """Run vLLM 0.20.2's own `Qwen3_5Model.load_weights` and
-    `Qwen3_5MultiTokenPredictor.load_weights` (the code paths of the stock
-    Qwen3_5(Moe)ForConditionalGeneration and Qwen3_5(Moe)MTP) over the checkpoint's tensors,
-    against stand-in modules whose parameters (the `expected` names of `stock_vllm_mapping`)
-    record every weight_loader call: every parameter must be loaded, nothing else asked for,
-    and every expert of every MoE layer must receive w1, w3 and w2 -- from the fused tensors
-    of the main layers as from the per-expert tensors of the MTP layer."""
-    pytest.importorskip("vllm")
-    import collections
-
+    use_fake_cuda()  # before vLLM's modules bind the platform
     import torch
-    from safetensors.torch import load_file
-    from torch import nn
-    from vllm.model_executor.models.qwen3_5 import Qwen3_5Model
-    from vllm.model_executor.models.qwen3_5_mtp import Qwen3_5MultiTokenPredictor
-    from vllm.model_executor.models.qwen3_next import Qwen3NextModel
-    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    from safetensors import safe_open
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    ckpt = request.getfixturevalue(which)
-    cfg = _config(ckpt)
-    tc = cfg["text_config"]
-    weights = load_file(str(ckpt / "model.safetensors"))
-    mapping = stock_vllm_mapping(cfg)
-    calls: dict[str, list] = collections.defaultdict(list)
+    cfg = engine_config(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with safe_open(f"{ckpt}/model.safetensors", "pt") as f:
+        weights = {n: f.get_tensor(n) for n in f.keys() if n != drop}
+    if extra is not None:
+        weights[extra] = torch.ones(3)
+    storage_of = {t.untyped_storage().data_ptr(): n for n, t in weights.items()}
+    target = build_model(cfg, port=free_port())
+    draft_cfg = copy.copy(cfg)
+    draft_cfg.model_config = cfg.speculative_config.draft_model_config
+    draft_cls, _ = get_model_architecture(draft_cfg.model_config)
+    with set_current_vllm_config(draft_cfg):
+        draft = draft_cls(vllm_config=draft_cfg, prefix="")
+    out = {"arch": cfg.model_config.architecture, "draft_arch": draft_cls.__name__}
+    consumed = set()
+    for name, model in (("target", target), ("draft", draft)):
+        for param in model.parameters():
+            param.data.fill_(float("nan"))
+            loader = getattr(param, "weight_loader", default_weight_loader)
 
-    def stand_in(cls, prefix: str) -> nn.Module:
-        class StandIn(nn.Module):
-            load_weights = cls.load_weights
-            load_fused_expert_weights = cls.load_fused_expert_weights
-            get_expert_mapping = Qwen3NextModel.get_expert_mapping
+            def recording(p, w, *args, _loader=loader, **kwargs):
+                consumed.add(storage_of.get(w.untyped_storage().data_ptr()))
+                return _loader(p, w, *args, **kwargs)
 
-        m = StandIn()
-        m.config = type("TextConfig", (), dict(tc))()
-        m.enable_lora = False
-        m.num_redundant_experts = 0
-        for full in sorted(
-            {p[len(prefix) :] for p, _ in mapping.expected if p.startswith(prefix)}
-        ):
-            *path, leaf = full.split(".")
-            mod = m
-            for part in path:
-                if not isinstance(getattr(mod, part, None), nn.Module):
-                    mod.add_module(part, nn.Module())
-                mod = getattr(mod, part)
-            param = nn.Parameter(torch.empty(0), requires_grad=False)
+            param.weight_loader = recording
+        with set_current_vllm_config(cfg if name == "target" else draft_cfg):
+            model.load_weights(iter(weights.items()))
+        out[name] = {"params": sum(1 for _ in model.parameters()),
+                     "not_loaded": sorted(n for n, p in model.named_parameters() if p.isnan().any()),
+                     "visual": sum(n.startswith("visual.") for n, _ in model.named_parameters())}
+    out["not_consumed"] = sorted(set(weights) - consumed)
+    return out
 
-            def loader(_param, w, *args, _name=prefix + full, **kwargs):
-                kwargs.pop("return_success", None)
-                calls[_name].append((args, kwargs, tuple(w.shape)))
-                return True
 
-            param.weight_loader = loader
-            mod.register_parameter(leaf, param)
-        return m
+def _vllm_loads_cases(tiny: str, tiny_dense: str) -> dict:
+    """Every case in one fresh process (one vLLM import)."""
+    return {"tiny": _vllm_loads(tiny, None, None), "tiny_dense": _vllm_loads(tiny_dense, None, None),
+            "dropped_and_foreign": _vllm_loads(tiny, "model.language_model.layers.3.self_attn.k_proj.weight",
+                                               "model.language_model.layers.0.linear_attn.bogus.weight")}
 
-    # Main model: the names AutoWeightsLoader hands to Qwen3_5Model after hf_to_vllm_mapper.
-    mapper = Qwen3VLForConditionalGeneration.hf_to_vllm_mapper
-    lm = "language_model.model."
-    main_weights = []
-    for n, w in weights.items():
-        mapped = mapper._map_name(n)
-        if mapped and mapped.startswith(lm):
-            main_weights.append((mapped[len(lm) :], w))
-    stand_in(Qwen3_5Model, lm).load_weights(main_weights)
-    # MTP draft: Qwen3_5MTP.load_weights renames mtp.* -> model.* and shares embed_tokens.
-    mtp_weights = [
-        (n[len("mtp.") :], w) for n, w in weights.items() if n.startswith("mtp.")
-    ]
-    mtp_weights.append(
-        ("embed_tokens.weight", weights["model.language_model.embed_tokens.weight"])
-    )
-    stand_in(Qwen3_5MultiTokenPredictor, "draft.model.").load_weights(mtp_weights)
 
-    expected = {
-        p for p, _ in mapping.expected if not p.endswith("lm_head.weight")
-    }  # ParallelLMHead elsewhere
-    assert set(calls) == expected, (
-        sorted(expected - set(calls))[:5],
-        sorted(set(calls) - expected)[:5],
-    )
-    n_exp = tc.get("num_experts", 0)
-    I, H = tc.get("moe_intermediate_size"), tc["hidden_size"]
-    for p, c in calls.items():
-        if ".experts.w" not in p:
-            continue
+@pytest.fixture(scope="module")
+def vllm_loads(tiny, tiny_dense) -> dict:
+    from harness.dist import run_isolated
 
-        def shard_expert(args, kwargs):
-            return (
-                args[1] if len(args) > 1 else kwargs["shard_id"],
-                args[2] if len(args) > 2 else kwargs["expert_id"],
-            )
+    return run_isolated(_vllm_loads_cases, str(tiny), str(tiny_dense))
 
-        got = sorted(shard_expert(a, k) for a, k, _ in c)
-        want = sorted(
-            (w, e)
-            for e in range(n_exp)
-            for w in (("w1", "w3") if "w13" in p else ("w2",))
-        )
-        assert got == want, p
-        assert {s for _, _, s in c} == {(I, H) if "w13" in p else (H, I)}, p
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_dense"])
+def test_vllms_own_models_load_every_tensor(which, request, vllm_loads):
+    """Every element of every parameter of vLLM's vision-language model and of its MTP head comes
+    from the checkpoint, and every checkpoint tensor goes into one of them."""
+    out = vllm_loads[which]
+    assert out["arch"] == _config(request.getfixturevalue(which))["architectures"][0]
+    assert out["draft_arch"] in ("Qwen3_5MoeMTP", "Qwen3_5MTP")
+    for name in ("target", "draft"):
+        assert out[name]["not_loaded"] == [], (name, out[name]["not_loaded"][:5])
+    assert out["not_consumed"] == [], out["not_consumed"][:5]
+    assert out["target"]["visual"] > 0 and out["draft"]["params"] > 0
+
+
+def test_a_missing_or_foreign_tensor_is_seen(vllm_loads):
+    """Negative control: a tensor left out leaves part of its parameter unloaded (one shard of the
+    fused qkv projection), and a tensor no model knows is not consumed."""
+    out = vllm_loads["dropped_and_foreign"]
+    assert out["target"]["not_loaded"] == ["language_model.model.layers.3.self_attn.qkv_proj.weight"], out
+    assert out["not_consumed"] == ["model.language_model.layers.0.linear_attn.bogus.weight"], out

@@ -102,7 +102,8 @@ def test_plan_properties(world_size, layout, min_split):
                 assert owner[i] == (0 if layout == "zigzag" else world_size - 1)
         # attention virtual sequences: query i of a segment sees keys [0, c + start + i]
         for r in range(world_size):
-            cu, used, reqs = p0.attention_vseqs(r)
+            seqs = p0.attention_seqs(r)
+            cu, used, reqs = seqs.cu_q, seqs.seqused_k, seqs.reqs
             for j, s in enumerate(p0.segments[r]):
                 assert cu[j + 1] - cu[j] == s.length
                 assert used[j] == num_computed[s.req] + s.end and reqs[j] == s.req
@@ -123,7 +124,8 @@ def test_zigzag_balances_causal_work():
             assert plan.splits_any
             per_rank = []
             for r in range(world_size):
-                cu, used, _ = plan.attention_vseqs(r)
+                seqs = plan.attention_seqs(r)
+                cu, used = seqs.cu_q, seqs.seqused_k
                 lens = np.diff(cu)
                 # query q of a segment of length L ending at e sees e - L + q + 1 keys
                 per_rank.append(sum(int(L * (e - L) + L * (L + 1) // 2) for L, e in zip(lens, used)))
@@ -193,7 +195,8 @@ def test_conv_sources_point_at_the_previous_inputs():
                 return ("cached", i, p) if num_computed[i] > 0 else "zero"
 
             for r in range(world_size):
-                halo, final = plan.conv_sources(width, r)
+                sources = plan.conv_sources(width, r)
+                halo, final = sources.halo, sources.final
                 for j, s in enumerate(plan.segments[r]):
                     for w in range(w1):
                         got = "zero" if halo[j, w] == zero else rows[halo[j, w]]

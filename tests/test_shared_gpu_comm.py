@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from harness.dist import run_distributed
 
 
 def _collectives(rank, group):
-    from tests.gpu.shared_gpu import HostStagedCommunicator
+    from harness.shared_gpu import HostStagedCommunicator
 
     comm = HostStagedCommunicator(group.cpu_group, device=torch.device("cpu"))
     torch.manual_seed(rank)
@@ -48,8 +48,9 @@ def test_host_staged_collectives_match_their_definitions():
 def _work_between_collectives(rank, group, lock):
     """Three stretches of "GPU work" (50 ms while holding a turn) with a collective after each: the
     communicator's all-gather, and GroupCoordinator's broadcasts, which do not all go through it."""
-    from tests.gpu.shared_gpu import TURNS_ENV, HostStagedCommunicator, Turns
+    from harness.shared_gpu import TURNS_ENV, HostStagedCommunicator, Turns, use_host_staged_collectives
 
+    use_host_staged_collectives()  # what SharedGPUWorker does first in a worker process
     if lock:
         os.environ[TURNS_ENV] = lock
         Turns.open()

@@ -8,7 +8,7 @@ from qwen36_pcp.layers.context import PCPContext
 from .attention_reference import split_attention_reference
 from qwen36_pcp.plan import PCPConfig, PCPPlan
 
-from tests.dist import run_distributed
+from harness.dist import run_distributed
 from .layer_cases import BATCHES, kv_layout
 
 H, KVH, D, BS = 4, 2, 16, 8
@@ -53,7 +53,7 @@ def _worker(rank, group, layouts):
             value_cache[blk, pos % BS] = cv
         plan = PCPPlan(num_computed, num_new, group.world_size, rank,
                        PCPConfig(layout=layout, min_split_tokens=4))
-        ctx = PCPContext(plan, group, "cpu")
+        ctx = PCPContext(plan, group, "cpu", num_tokens_padded=plan.num_tokens + 3)  # the runner's padding
         rows = torch.from_numpy(plan.local_full_idx[rank])
         local = lambda x: x[rows.clamp(min=0)]  # noqa: E731
         out = split_attention_reference(ctx, local(q), local(k), local(v), key_cache, value_cache,
@@ -79,12 +79,12 @@ def check_output_gather(ctx, out, ref):
     plan, rank = ctx.plan, ctx.rank
     primary = torch.from_numpy(plan.primary[rank])
     hidden = torch.where(primary[:, None, None], out, torch.full_like(out, 100.0 + rank))
-    num_rows = plan.num_tokens + 3  # the runner's padded batch
-    every = ctx.gather_output(hidden, num_rows, all_rows=True)
+    every = ctx.gather_output(hidden, all_rows=True)
+    assert every.shape[0] == ctx.num_tokens_padded
     torch.testing.assert_close(every[: plan.num_tokens], ref, rtol=1e-5, atol=1e-5)
     assert (every[plan.num_tokens:] == 0).all()
     sent = ctx.bytes_sent
-    last = ctx.gather_output(hidden, num_rows, all_rows=False)
+    last = ctx.gather_output(hidden, all_rows=False)
     rows = torch.from_numpy(plan.req_start[1:] - 1)
     assert torch.equal(last[rows], every[rows])
     assert last.count_nonzero() == last[rows].count_nonzero()  # zeros elsewhere

@@ -1,5 +1,5 @@
 """Startup messages where vLLM itself would say something cryptic, for our model at pcp > 1
-(``runner_hooks.startup_messages_before_config``).
+(``checks.before_config_error``, raised from ``patches``' wrapper of ``EngineArgs.create_engine_config``).
 
 No NVIDIA GPU: vLLM 0.20.2 fails before any config exists, ``LLM(...)`` with "Device string must not be
 empty", ``vllm serve`` with "Failed to infer device type" while building its parser. The end-to-end
@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from tests.dist import run_isolated
+from harness.dist import run_isolated
 
 ARCH = "Qwen3_6ForCausalLM"
 OVERRIDES = {"architectures": [ARCH]}
@@ -38,12 +38,12 @@ def _no_gpu_startup(ckpt):
     import sys
 
     import qwen36_pcp
-    from qwen36_pcp import runner_hooks
+    from qwen36_pcp import patches
 
     qwen36_pcp.register()
     from vllm.engine.arg_utils import EngineArgs
 
-    from tests.dist import error_of
+    from harness.dist import error_of
 
     out = {}
 
@@ -64,8 +64,14 @@ def _no_gpu_startup(ckpt):
     out["serve"] = serve("--hf-overrides", json.dumps(OVERRIDES), "-pcp", "2", "--port", "8011")
     out["serve_pcp1"] = serve("--hf-overrides", json.dumps(OVERRIDES))
     out["serve_stock"] = serve("-pcp", "2")
-    runner_hooks.startup_messages_before_config()  # idempotent: still one wrapper around vLLM's code
-    out["once"] = all(getattr(getattr(EngineArgs, n), runner_hooks._PATCHED_MARK, None).__module__
+    out["bad_option"] = llm(hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
+                            additional_config={"qwen36_pcp": {"gdn_mode": "bogus"}})
+    out["negative_option"] = llm(hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
+                                 additional_config={"qwen36_pcp": {"min_split_tokens": -5}})
+    out["serve_bad_option"] = serve("--hf-overrides", json.dumps(OVERRIDES), "-pcp", "2", "--additional-config",
+                                    json.dumps({"qwen36_pcp": {"layuot": "zigzag"}}), "--port", "8012")
+    patches.install()  # idempotent: still one wrapper around vLLM's code
+    out["once"] = all(getattr(getattr(EngineArgs, n), patches.ORIGINAL, None).__module__
                       == "vllm.engine.arg_utils" for n in ("create_engine_config", "add_cli_args"))
     out["static"] = isinstance(inspect.getattr_static(EngineArgs, "add_cli_args"), staticmethod)
     return out
@@ -80,6 +86,10 @@ def test_no_gpu_one_message_with_the_numbers(tiny_config_only):
         tp = 2 if key == "llm_tp2" else 1
         assert f"prefill_context_parallel_size=2 x tensor_parallel_size={tp} needs {gpus} NVIDIA GPUs" in msg
         assert NO_GPU in msg and "Device string" not in msg and "infer device type" not in msg, msg
+    # a bad option has its own message first, before the GPU's
+    assert out["bad_option"].startswith("ValueError: qwen36_pcp: gdn_mode must be one of"), out["bad_option"]
+    assert "min_split_tokens must be an integer >= 1, got -5" in out["negative_option"], out["negative_option"]
+    assert "unknown option(s) ['layuot']" in (out["serve_bad_option"] or ""), out["serve_bad_option"]
     # pcp == 1 and vLLM's own model: vLLM's behaviour and words, untouched
     for key in ("llm_pcp1", "llm_stock"):
         assert "Device string must not be empty" in out[key], (key, out[key])
@@ -130,7 +140,7 @@ def _nnodes_startup(ckpt, port):
     qwen36_pcp.register()
     from vllm.engine.arg_utils import EngineArgs
 
-    from tests.dist import error_of
+    from harness.dist import error_of
 
     out = {}
 

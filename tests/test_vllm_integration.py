@@ -2,14 +2,12 @@
 checks, the replicated-KV guards (lifted only for our model at pcp > 1), weight mapping, and the plan
 the runner hook builds from a step's inputs."""
 
-import importlib.metadata
 import json
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
-from tests.dist import run_isolated
+from harness.dist import run_isolated
 
 ARCH = "Qwen3_6ForCausalLM"
 OVERRIDES = {"architectures": [ARCH]}
@@ -20,11 +18,6 @@ def tiny_ckpt(tmp_path_factory):
     from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
     return str(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0))
-
-
-def test_entry_point_declared():
-    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert any(ep.value == "qwen36_pcp:register" for ep in eps)
 
 
 # ---------------------------------------------------------------------------- config checks
@@ -53,8 +46,13 @@ def _configs(ckpt):
 
     out["model_cls"] = get_model_architecture(cfg.model_config)[0].__name__
     out["gdn_backend"] = cfg.additional_config.get("gdn_prefill_backend")
-    out["gdn_backend_pcp1"] = engine_config(ckpt, hf_overrides=OVERRIDES).additional_config.get(
-        "gdn_prefill_backend")
+    out["worker_cls"] = cfg.parallel_config.worker_cls
+    from qwen36_pcp import patches
+
+    out["serves_pcp"] = patches.serves_pcp()
+    pcp1 = engine_config(ckpt, hf_overrides=OVERRIDES)
+    out["gdn_backend_pcp1"] = pcp1.additional_config.get("gdn_prefill_backend")
+    out["worker_cls_pcp1"] = pcp1.parallel_config.worker_cls
     bad = {
         "dcp": dict(decode_context_parallel_size=2, tensor_parallel_size=2),
         "attention_backend": dict(attention_backend="TRITON_ATTN"),
@@ -95,9 +93,19 @@ def _configs(ckpt):
     type(platforms._current_platform).get_device_total_memory = classmethod(lambda cls, i=0: 2**40)
     type(platforms._current_platform).device_count = classmethod(lambda cls: 1)
     out["errors"]["one_gpu"] = error_of()
-    engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
-                  worker_cls="tests.gpu.shared_gpu.SharedGPUWorker")
+    shared = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
+                           worker_cls="harness.shared_gpu.SharedGPUWorker")
+    out["shared_worker"] = shared.parallel_config.worker_cls
+    out["errors"]["own_worker"] = error_of(worker_cls="vllm.v1.worker.gpu_worker.Worker")
     engine_config(ckpt, hf_overrides=OVERRIDES, enable_lora=True)  # pcp=1: vLLM's own LoRA
+    # the first token's detokenization follows the engine configs of ours at pcp > 1 that are alive
+    import gc
+
+    from qwen36_pcp import patches
+
+    del cfg, shared
+    gc.collect()
+    out["serves_pcp_after"] = patches.serves_pcp()
     return out
 
 
@@ -119,6 +127,12 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "mirrored" in out["errors"]["bad_moe_experts"]
     assert "'flashinfer'" in out["errors"]["flashinfer_gdn"]
     assert out["gdn_backend"] == "triton" and out["gdn_backend_pcp1"] is None  # pcp=1: vLLM's auto
+    # the PCP worker at pcp > 1 (vLLM's worker_cls), vLLM's own at pcp == 1; one's own must build on it
+    assert out["worker_cls"] == "qwen36_pcp.worker.PCPWorker"
+    assert out["worker_cls_pcp1"] == "auto"  # left to vLLM's platform (its GPU Worker)
+    assert out["shared_worker"] == "harness.shared_gpu.SharedGPUWorker"
+    assert "not built on qwen36_pcp.worker.PCPWorker" in out["errors"]["own_worker"], out["errors"]["own_worker"]
+    assert out["serves_pcp"] and not out["serves_pcp_after"]
     assert "enable_expert_parallel" in out["errors"]["ep_whole_experts"]
     assert "keeps every expert on every GPU" in out["errors"]["small_gpu"], out["errors"]["small_gpu"]
     assert "'moe_experts': 'sharded'" in out["errors"]["small_gpu"]
@@ -220,6 +234,8 @@ def _model(ckpt, pcp):
     qwen36_pcp.register()
     from safetensors import safe_open
 
+    from vllm.model_executor.custom_op import op_registry_oot
+
     from qwen36_pcp.model import SKIPPED_PREFIXES
 
     cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=pcp)
@@ -234,9 +250,11 @@ def _model(ckpt, pcp):
         "skipped": len(skipped), "gdn": sorted({type(m).__name__ for m in model.modules()
                                                 if "DeltaNet" in type(m).__name__}),
         "impls": sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl")}),
-        "full_rows": sorted(n.split(".")[-1] for n, m in model.named_modules()
-                            if type(m).__name__ == "FullRowsReplicatedLinear"),
+        "full_rows": sorted(n.split(".")[-1] for n, m in model.named_modules() if getattr(m, "full_rows", False)),
+        "linear_classes": sorted({type(m).__name__ for m in model.modules() if "ReplicatedLinear" in type(m).__name__}),
+        "moe_classes": sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("FusedMoE")}),
         "mrope": model.get_mrope_input_positions(list(range(5)), [])[0].tolist(),
+        "oot_left": sorted(op_registry_oot),
     }
 
 
@@ -247,34 +265,14 @@ def test_model_builds_and_every_tensor_is_mapped_or_skipped(tiny_ckpt, pcp):
     assert out["skipped"] > 0  # the vision tower and MTP head are in the checkpoint and skipped
     if pcp == 1:  # vLLM's own layers, untouched
         assert out["gdn"] == ["GatedDeltaNetAttention"] and out["impls"] == ["FlashAttentionImpl"]
-        assert out["full_rows"] == []
+        assert out["full_rows"] == [] and out["linear_classes"] == ["ReplicatedLinear"]
+        assert out["moe_classes"] == ["FusedMoE"]
     else:
         assert out["gdn"] == ["PCPGatedDeltaNetAttention"] and out["impls"] == ["PCPFlashAttentionImpl"]
         assert out["full_rows"] == ["shared_expert_gate"] * 8  # one per MoE layer
+        assert out["linear_classes"] == ["PCPReplicatedLinear"] and out["moe_classes"] == ["WholeExpertsFusedMoE"]
+    assert out["oot_left"] == []  # the PCP classes were registered only while the model was built
     assert out["mrope"] == [list(range(5))] * 3
-
-
-def _experts_on_rank(ckpt, rank, port, options):
-    """Build the model as PCP rank ``rank`` of 2 processes, load the checkpoint, describe its experts."""
-    from tests.fake_cuda import build_model, engine_config, use_fake_cuda
-
-    use_fake_cuda()
-    import qwen36_pcp
-
-    qwen36_pcp.register()
-    from safetensors import safe_open
-
-    cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
-                        additional_config={"qwen36_pcp": options})
-    model = build_model(cfg, port=port, rank=rank, pcp_ranks=2)
-    with safe_open(f"{ckpt}/model.safetensors", "pt") as f:
-        model.load_weights((n, f.get_tensor(n)) for n in f.keys())
-        down = f.get_tensor("model.language_model.layers.0.mlp.experts.down_proj")
-    experts = [m for m in model.modules() if hasattr(m, "moe_parallel_config")]
-    par = experts[0].moe_parallel_config
-    return {"num": len(experts), "tp_size": par.tp_size, "pcp_size": par.pcp_size,
-            "w2_shape": list(experts[0].w2_weight.shape), "w2_abs_sum": experts[0].w2_weight.double().abs().sum().item(),
-            "ckpt_down_shape": list(down.shape), "ckpt_down_abs_sum": down.double().abs().sum().item()}
 
 
 def test_per_token_metadata_features_are_named():
@@ -314,84 +312,10 @@ def test_per_token_metadata_features_are_named():
     assert "LoRA" in per_token_metadata_problems(cfg(lora=object()))[0]
 
 
-def test_whole_experts_of_qwen36_35b_a3b_take_60_gib():
-    """The number the README and the startup check use: 40 MoE layers x 256 experts x 3 x 2048 x 512,
-    bf16, from the real config."""
-    import torch
-
-    from qwen36_pcp.checks import whole_experts_bytes
-    from qwen36_pcp.tools.make_checkpoint import PRESETS
-
-    text = SimpleNamespace(**PRESETS["qwen3.6-35b-a3b"]["text"])
-    cfg = SimpleNamespace(model_config=SimpleNamespace(quantization=None, hf_text_config=text,
-                                                       dtype=torch.bfloat16))
-    assert whole_experts_bytes(cfg) == 60 * 2**30
-    cfg.model_config.quantization = "fp8"  # online FP8: 1 byte a weight, 3 fp32 scales an expert (tests/test_fp8.py)
-    assert whole_experts_bytes(cfg) == 30 * 2**30 + 40 * 256 * 3 * 4
-    cfg.model_config.quantization = "gptq"
-    assert whole_experts_bytes(cfg) is None  # no estimate: the startup memory check is skipped, with a warning
-
-
-@pytest.mark.parametrize("moe_experts", ["replicated", "sharded"])
-def test_experts_whole_or_sharded_over_two_pcp_ranks(tiny_ckpt, moe_experts):
-    """Two real PCP ranks (gloo): by default every rank holds and loads every expert whole; with
-    moe_experts='sharded' vLLM's sharding over TP x PCP is kept (each rank loads its half)."""
-    import concurrent.futures as cf
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    options = {} if moe_experts == "replicated" else {"moe_experts": "sharded"}
-    with cf.ThreadPoolExecutor(2) as pool:
-        ranks = list(pool.map(lambda r: run_isolated(_experts_on_rank, tiny_ckpt, r, port, options), (0, 1)))
-    full = ranks[0]["ckpt_down_abs_sum"]
-    assert all(r["num"] == 8 for r in ranks)
-    if moe_experts == "replicated":
-        assert [(r["tp_size"], r["pcp_size"]) for r in ranks] == [(1, 1), (1, 1)]
-        assert all(r["w2_shape"] == [8, 256, 128] for r in ranks)
-        assert all(abs(r["w2_abs_sum"] - full) < 1e-6 * full for r in ranks)
-    else:
-        assert [(r["tp_size"], r["pcp_size"]) for r in ranks] == [(2, 2), (2, 2)]
-        assert all(r["w2_shape"] == [8, 256, 64] for r in ranks)
-        assert abs(sum(r["w2_abs_sum"] for r in ranks) - full) < 1e-6 * full
-        assert abs(ranks[0]["w2_abs_sum"] - ranks[1]["w2_abs_sum"]) > 0  # two different halves
-
-
-# ------------------------------------------------------------------- the runner's step plan
-def test_runner_plan_from_step_inputs():
-    """The hook builds the plan from what the runner holds after _prepare_inputs (same on all ranks)."""
-    from qwen36_pcp.plan import PCPConfig
-    from qwen36_pcp.runner_hooks import RunnerPCPState
-
-    num_computed = np.array([0, 17, 40, 0], dtype=np.int32)
-    num_new = np.array([1, 1, 3000, 700], dtype=np.int32)  # decodes first, like vLLM's reorder
-    qsl = np.zeros(16, dtype=np.int32)
-    qsl[1:5] = np.cumsum(num_new)
-    qsl[5:] = qsl[4]
-    runner = SimpleNamespace(
-        input_batch=SimpleNamespace(num_reqs=4, num_computed_tokens_cpu=np.pad(num_computed, (0, 12))),
-        query_start_loc=SimpleNamespace(np=qsl),
-    )
-    plans = []
-    for rank in (0, 1):
-        state = object.__new__(RunnerPCPState)
-        state.config, state.world_size, state.rank = PCPConfig(), 2, rank
-        plans.append(state.plan(runner, num_tokens_padded=3712))
-    assert plans[0].split.tolist() == [False, False, True, True]
-    # 2 decode rows, then rank 0's blocks 0 and 3 (whole 64-token chunks, the last block takes the
-    # rest): 704 + 824 of the 3000 tokens, 128 + 252 of the 700
-    assert plans[0].t_pad == plans[1].t_pad == 2 + 704 + 824 + 128 + 252
-    assert plans[0].num_tokens_padded == 3712
-    assert np.array_equal(plans[0].local_full_idx, plans[1].local_full_idx)
-    state.config = PCPConfig(min_split_tokens=100000)
-    assert state.plan(runner, 3712) is None  # nothing to split: the step runs unsplit
-
-
 # ------------------------------------------------------- vLLM 0.20.2's GDN kernel race (workaround)
 @pytest.mark.parametrize("env", [None, "0", "1"])
 def test_gdn_kkt_race_workaround_wanted(monkeypatch, env):
-    from qwen36_pcp.runner_hooks import DETERMINISTIC_GDN_ENV, race_free_gdn_kkt_wanted
+    from qwen36_pcp.deterministic_gdn import DETERMINISTIC_GDN_ENV, race_free_gdn_kkt_wanted
 
     if env is None:
         monkeypatch.delenv(DETERMINISTIC_GDN_ENV, raising=False)
@@ -407,7 +331,12 @@ def test_gdn_kkt_race_workaround_keeps_single_k_block_configs(monkeypatch):
     import triton
     from vllm.model_executor.layers.fla.ops import chunk_scaled_dot_kkt
 
-    from qwen36_pcp.runner_hooks import _PATCHED_MARK, keep_autotune_configs, race_free_gdn_kkt
+    from qwen36_pcp.deterministic_gdn import (
+        ORIGINAL_CONFIGS,
+        keep_autotune_configs,
+        race_free_gdn_kkt,
+        restore_gdn_kkt,
+    )
 
     def kernel(K):
         pass
@@ -419,7 +348,7 @@ def test_gdn_kkt_race_workaround_keeps_single_k_block_configs(monkeypatch):
     assert keep_autotune_configs(tuner, lambda c: c.kwargs["BK"] == 128)
     assert [c.kwargs["BK"] for c in tuner.configs] == [128] * 9 and not tuner.cache
     assert keep_autotune_configs(tuner, lambda c: False)  # idempotent: applied once
-    assert len(tuner.configs) == 9 and len(getattr(tuner, _PATCHED_MARK)) == 27
+    assert len(tuner.configs) == 9 and len(getattr(tuner, ORIGINAL_CONFIGS)) == 27
     other = triton.autotune(configs=grid[:3], key=["K"])(triton.jit(kernel))
     assert not keep_autotune_configs(other, lambda c: c.kwargs["BK"] == 128)  # nothing left: untouched
     assert len(other.configs) == 3
@@ -429,6 +358,8 @@ def test_gdn_kkt_race_workaround_keeps_single_k_block_configs(monkeypatch):
     monkeypatch.setattr(chunk_scaled_dot_kkt, "chunk_scaled_dot_kkt_fwd_kernel", vllm_kernel)
     assert race_free_gdn_kkt() and race_free_gdn_kkt()
     assert [c.kwargs["BK"] for c in vllm_kernel.fn.configs] == [128] * 9
+    restore_gdn_kkt()  # reversible: all 27 back
+    assert len(vllm_kernel.fn.configs) == 27 and not hasattr(vllm_kernel.fn, ORIGINAL_CONFIGS)
 
 
 def test_default_ray_executor_is_refused_at_pcp(monkeypatch):

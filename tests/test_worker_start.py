@@ -17,8 +17,8 @@ The Ray workers go through the same ``WorkerWrapperBase.init_worker`` (``RayWork
 it; ``RayWorkerProc`` of ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1`` is a ``WorkerProc``).
 
 Only two things stand in for the GPU: the launcher's platform is ``tests.fake_cuda``'s (vLLM refuses
-to build a config on a machine without one), and ``--worker-cls`` names a subclass of vLLM's GPU
-``Worker`` whose ``init_device`` (the first thing that needs a GPU, right before the model is built)
+to build a config on a machine without one), and ``--worker-cls`` names a subclass of the plugin's
+``PCPWorker`` whose ``init_device`` (the first thing that needs a GPU, right before the model is built)
 records what the plugin left in its process and stops the worker. The launcher then fails the way
 vLLM fails when a worker does not start, which is what this test expects.
 """
@@ -26,6 +26,7 @@ vLLM fails when a worker does not start, which is what this test expects.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 import os
 import signal
@@ -42,20 +43,14 @@ PROBE_DIR_ENV = "QWEN36_PCP_TEST_PROBE_DIR"
 PROBE_WORKER = "tests.test_worker_start.ProbeWorker"
 TIMEOUT_S = 180
 
-# What ``runner_hooks.install()`` replaces in vLLM 0.20.2 at least (the probe also finds any others it
-# replaces; FusedMoE.__init__ is replaced only while our model is built with whole experts, and vLLM's
-# GDN autotuner only on a GPU).
+# What ``patches.install()`` replaces in vLLM 0.20.2, and nothing else (vLLM's GDN autotuner is kept to
+# its race-free configs only on a GPU; the runner, the worker and the layers are subclasses).
 HOOKS = {
     "vllm.v1.engine.core.resolve_kv_cache_block_sizes",
     "vllm.v1.core.sched.scheduler.Scheduler.__init__",
     "vllm.v1.kv_cache_interface.FullAttentionSpec.max_memory_usage_bytes",
-    "vllm.v1.worker.block_table.BlockTable.__init__",
-    "vllm.v1.worker.block_table.get_total_cp_world_size",
-    "vllm.v1.worker.gpu_model_runner.get_total_cp_world_size",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._determine_batch_execution_and_padding",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
+    "vllm.engine.arg_utils.EngineArgs.create_engine_config",
+    "vllm.engine.arg_utils.EngineArgs.add_cli_args",
     "vllm.v1.engine.detokenizer.FastIncrementalDetokenizer.__init__",
 }
 
@@ -69,8 +64,8 @@ def _name_of(owner, attr: str) -> str:
 
 def _hooks_in_process() -> dict:
     """Every function of vLLM's loaded modules (module level, or of a class defined there) that
-    carries runner_hooks' mark: its id, and whether the function it wraps carries the mark too."""
-    from qwen36_pcp.runner_hooks import _PATCHED_MARK
+    carries the plugin's mark: its id, and whether the function it wraps carries the mark too."""
+    from qwen36_pcp.patches import ORIGINAL as _PATCHED_MARK
 
     found = {}
 
@@ -151,28 +146,28 @@ def probe(worker) -> dict:
     # installing again changes nothing: vLLM's loader once more (its own guard makes it a no-op), the
     # loader with its guard reset (the entry point runs register() again), register() and install()
     import qwen36_pcp
-    from qwen36_pcp import runner_hooks
+    from qwen36_pcp import patches
 
     vllm.plugins.load_general_plugins()
     vllm.plugins.plugins_loaded = False
     vllm.plugins.load_general_plugins()
     qwen36_pcp.register()
-    # past install()'s own guard: every _patch meets its own wrapper (and says what install() patches)
-    patch, intended = runner_hooks._patch, []
-    runner_hooks._patch = lambda owner, name, make: intended.append(_name_of(owner, name)) or patch(
-        owner, name, make)
-    runner_hooks._installed = False
-    try:
-        runner_hooks.install()
-    finally:
-        runner_hooks._patch = patch
-    out["intended"] = sorted(intended)
+    patches._installed = False  # past install()'s own guard: every patch meets its own wrapper
+    patches.install()
+    out["intended"] = sorted(p.target for p in patches.PATCHES)
     out["again"] = _plugin_state(worker)
     out["rejected"] = _rejected_in_worker(worker.vllm_config)
-    out["module_state"] = {
-        "worker_kv_replicated": runner_hooks._worker_kv_replicated,
-        "building_whole_experts": runner_hooks._building_whole_experts,
-    }
+    # uninstall puts vLLM's own functions back, and install wraps them again
+    originals = {p.target: id(p.original()) for p in patches.PATCHES}
+    patches.uninstall()
+    out["uninstalled"] = {"hooks": _hooks_in_process(),
+                          "originals_back": all(id(inspect.getattr_static(p.owner, p.name).__func__
+                                                   if isinstance(inspect.getattr_static(p.owner, p.name), staticmethod)
+                                                   else inspect.getattr_static(p.owner, p.name)) == originals[p.target]
+                                                for p in patches.PATCHES),
+                          "config_check": _plugin_state(worker)["config_check"]}
+    patches.install()
+    out["reinstalled"] = sorted(_hooks_in_process())
     return out
 
 
@@ -190,11 +185,11 @@ def __getattr__(name):  # ``tests.test_worker_start.ProbeWorker``, built only wh
         raise AttributeError(name)
     if _probe_worker is None:
         # vLLM resolves the worker class right after load_general_plugins(): was install() done by then?
-        hooks = sys.modules.get("qwen36_pcp.runner_hooks")
+        hooks = sys.modules.get("qwen36_pcp.patches")
         _installed_before_worker_cls = bool(hooks is not None and hooks._installed)
-        from vllm.v1.worker.gpu_worker import Worker
+        from qwen36_pcp.worker import PCPWorker
 
-        class ProbeWorker(Worker):
+        class ProbeWorker(PCPWorker):
             def init_device(self):
                 path = Path(os.environ[PROBE_DIR_ENV]) / f"worker{self.rank}.json"
                 try:
@@ -318,9 +313,9 @@ def test_spawned_workers_have_the_plugin_installed_once(node1):
         first = w["first"]
         assert first["registered"], name
         assert first["model_cls"] == "qwen36_pcp.model.qwen3_6.Qwen3_6ForCausalLM"
-        assert first["config_check"] == "qwen36_pcp.runner_hooks.install_startup_checks.<locals>.Qwen36PCPConfig"
+        assert first["config_check"] == "qwen36_pcp.patches._config_check_class.<locals>.Qwen36PCPConfig"
         # every hook install() makes is in place, and nothing else carries its mark
-        assert HOOKS <= set(first["hooks"]), HOOKS - set(first["hooks"])
+        assert set(first["hooks"]) == HOOKS, set(first["hooks"]) ^ HOOKS
         assert set(w["intended"]) == set(first["hooks"]), set(w["intended"]) ^ set(first["hooks"])
         assert not any(h["twice"] for h in first["hooks"].values()), first["hooks"]
         # installing again changed nothing: the same wrappers, each wrapping vLLM's function once
@@ -328,5 +323,6 @@ def test_spawned_workers_have_the_plugin_installed_once(node1):
         # the startup check is live in the worker too, and node 1's config went through it
         assert w["rejected"] and "qwen36_pcp" in w["rejected"] and "kv_cache_dtype=fp8" in w["rejected"]
         assert w["additional_config"].get("gdn_prefill_backend") == "triton"
-        # nothing of the runner's yet: its state is set when vLLM builds the model runner
-        assert w["module_state"] == {"worker_kv_replicated": False, "building_whole_experts": False}
+        # uninstall: no mark left, vLLM's own functions and config map back; install again: as first
+        assert w["uninstalled"] == {"hooks": {}, "originals_back": True, "config_check": None}, w["uninstalled"]
+        assert w["reinstalled"] == sorted(first["hooks"])

@@ -1,20 +1,165 @@
-"""The PCP context: one object per step, passed to every PCP layer.
+"""The PCP context: one object per split step, passed to every PCP layer.
 
-It holds the host plan, its device index tensors and the PCP process group (vLLM's GroupCoordinator,
-the object ``vllm.distributed.get_pcp_group()`` returns). All PCP communication of a split step goes
-through ``all_gather`` and ``broadcast_primary`` here, so the bytes a step sends are counted in one place.
+It holds the host plan, the step's device index tensors (built once per step from the plan, typed
+below) and the PCP process group (vLLM's GroupCoordinator, the object
+``vllm.distributed.get_pcp_group()`` returns). All PCP communication of a split step goes through
+the four collectives here (``all_gather``, ``broadcast``, ``send``, ``recv``), so what a step sends is
+counted in one place: ``collectives`` lists each call with its payload, ``bytes_sent`` sums what this
+rank sent.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from functools import cached_property
+
 import numpy as np
 import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from ..plan import PCPPlan, PlanTensors
+from ..config import PCPConfig
+from ..plan import PCPPlan
+
+FORWARD_CONTEXT_KEY = "qwen36_pcp"
+
+
+def to_device(x: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype).to(device, non_blocking=True)
+
+
+@dataclass
+class Varlen:
+    """Sequences packed back to back (``cu_seqlens``), on the device and on the host.
+
+    The kernels' launch metadata for these sequences (fla's chunk indices and offsets, the causal
+    conv's) is computed on the host from ``cu_cpu`` the first time a kernel needs it and kept here,
+    so a step computes it once for all its layers.
+    """
+
+    cu: torch.Tensor  # [S+1] int32, device
+    cu_cpu: torch.Tensor  # [S+1] int32, host
+    chunk_meta: tuple | None = field(default=None, repr=False)  # (chunk_indices, chunk_offsets)
+    conv_meta: object | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, bounds: np.ndarray, device: torch.device) -> Varlen:
+        cu_cpu = torch.from_numpy(np.ascontiguousarray(bounds, dtype=np.int32))
+        return cls(cu_cpu.to(device, non_blocking=True), cu_cpu)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.cu_cpu.shape[0]) - 1
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call as this rank issued it: its kind (``all_gather``, ``broadcast``, ``send``,
+    ``recv``), the bytes of its payload (one rank's input for a gather) and the peer rank (the source
+    of a broadcast or a recv, the destination of a send; -1 for a gather)."""
+
+    kind: str
+    nbytes: int
+    peer: int = -1
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """The plan's per-step index tensors every layer reads, on the device."""
+
+    local_idx: torch.Tensor  # [t_pad] full index per local row (padding -> 0)
+    gathered_full_idx: torch.Tensor  # [N*t_pad] full index to write to the KV cache, -1 to skip
+    gathered_of_full: torch.Tensor  # [num_tokens] gathered row of each full token's primary copy
+    segments: Varlen  # this rank's segments as sequences
+    seqused_k: torch.Tensor  # [S] int32, keys each segment's queries see
+    seg_req: torch.Tensor  # [S] int64, request of each segment
+    max_q: int
+    max_k: int
+    num_local_tokens: int
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_req.shape[0])
+
+    @classmethod
+    def build(cls, plan: PCPPlan, device: torch.device) -> StepTensors:
+        seqs = plan.attention_seqs()
+        local = plan.local_full_idx[plan.rank].copy()
+        local[local < 0] = 0
+        lens = np.diff(seqs.cu_q)
+        return cls(
+            local_idx=to_device(local, device),
+            gathered_full_idx=to_device(plan.gathered_full_idx(), device),
+            gathered_of_full=to_device(plan.gathered_of_full, device),
+            segments=Varlen.of(seqs.cu_q, device),
+            seqused_k=to_device(seqs.seqused_k, device, torch.int32),
+            seg_req=to_device(seqs.reqs, device),
+            max_q=int(lens.max()) if len(lens) else 0,
+            max_k=int(seqs.seqused_k.max()) if len(seqs.seqused_k) else 0,
+            num_local_tokens=plan.num_local_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class SampleRowIndex:
+    """``plan.SampleRows`` on the device."""
+
+    full: torch.Tensor
+    send: torch.Tensor
+    pick: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ConvIndex:
+    """A short conv's halo indices (``PCPPlan.conv_sources`` and ``tail_rows``) on the device."""
+
+    tail_rows: torch.Tensor  # [S, w-1] local rows of each segment's last inputs
+    halo: torch.Tensor  # [S, w-1] table rows of each segment's first inputs' predecessors
+    final: torch.Tensor  # [R, w-1] table rows of each request's new conv state
+
+
+@dataclass(frozen=True)
+class StatePassingIndex:
+    """GDN state passing: segments that start from the cache, the replicated segments, and this rank's
+    blocks of the split requests (block -> local segment positions, on the host and the device)."""
+
+    starts_from_cache: torch.Tensor  # [S] bool
+    replicated_slots: torch.Tensor  # [S_rep]
+    replicated_reqs: torch.Tensor  # [S_rep]
+    split_reqs: torch.Tensor  # [R_split]
+    block_slots: dict[int, list[int]]
+    block_slots_dev: dict[int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RelayRun:
+    """One of this rank's runs of adjacent blocks: local rows [lo, hi), one sequence per split request."""
+
+    lo: int
+    hi: int
+    seqs: Varlen  # bounds relative to lo
+
+
+@dataclass(frozen=True)
+class RelayIndex:
+    """GDN relay: the replicated requests (first in the local layout) and this rank's runs."""
+
+    replicated_rows: int
+    replicated: Varlen
+    replicated_reqs: torch.Tensor
+    replicated_from_cache: torch.Tensor  # bool
+    split_reqs: torch.Tensor
+    split_from_cache: torch.Tensor  # bool
+    runs: list[RelayRun]
 
 
 class PCPContext:
-    def __init__(self, plan: PCPPlan, group, device: torch.device | str):
+    """A split step: the plan, its device tensors and the PCP group, for every PCP layer.
+
+    ``num_tokens_padded`` is the runner's row count for the step (pcp=1's batch with its padding): the
+    rows the output gather returns and the row count narrow layers run at.
+    """
+
+    def __init__(self, plan: PCPPlan, group, device: torch.device | str, num_tokens_padded: int | None = None):
         if group.world_size != plan.world_size or group.rank_in_group != plan.rank:
             raise ValueError(
                 f"plan is for rank {plan.rank}/{plan.world_size}, group is "
@@ -23,8 +168,16 @@ class PCPContext:
         self.plan = plan
         self.group = group
         self.device = torch.device(device)
-        self.t: PlanTensors = plan.device_tensors(self.device)
-        self.bytes_sent = 0  # per rank, for benchmarks and tests
+        self.num_tokens_padded = plan.num_tokens if num_tokens_padded is None else int(num_tokens_padded)
+        if self.num_tokens_padded < plan.num_tokens:
+            raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
+        self.t = StepTensors.build(plan, self.device)
+        self._conv: dict[int, ConvIndex] = {}
+        self.collectives: list[Collective] = []
+
+    @property
+    def config(self) -> PCPConfig:
+        return self.plan.config
 
     @property
     def world_size(self) -> int:
@@ -34,121 +187,114 @@ class PCPContext:
     def rank(self) -> int:
         return self.plan.rank
 
+    def to_device(self, x: np.ndarray, dtype=torch.int64) -> torch.Tensor:
+        return to_device(x, self.device, dtype)
+
+    # ------------------------------------------------------------------ communication
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank put on the wire this step (a gather's input, a broadcast it sourced, a send)."""
+        return sum(c.nbytes for c in self.collectives
+                   if c.kind in ("all_gather", "send") or (c.kind == "broadcast" and c.peer == self.rank))
+
+    def _log(self, kind: str, x: torch.Tensor, peer: int = -1) -> None:
+        self.collectives.append(Collective(kind, x.numel() * x.element_size(), peer))
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along dim 0, rank-major."""
         x = x.contiguous()
-        self.bytes_sent += x.numel() * x.element_size()
+        self._log("all_gather", x)
         return self.group.all_gather(x, dim=0)
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank (``x`` gives the shape and dtype on the others)."""
+        x = x.contiguous()
+        self._log("broadcast", x, src)
+        return self.group.broadcast(x, src)
 
     def broadcast_primary(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank: what every rank computed for the replicated requests is kept
         from the primary copy only, so a split step cannot leave the ranks' caches apart bit by bit."""
-        x = x.contiguous()
-        if self.rank == 0:
-            self.bytes_sent += x.numel() * x.element_size()
-        return self.group.broadcast(x, 0)
+        return self.broadcast(x, 0)
 
-    def gather_output(self, hidden: torch.Tensor, num_rows: int, all_rows: bool) -> torch.Tensor:
-        """The step's hidden states in the runner's full row order: ``num_rows`` rows, padding zero.
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """``x`` to rank ``dst`` alone (it calls ``recv``)."""
+        x = x.contiguous()
+        self._log("send", x, dst)
+        self.group.send(x, dst)
+
+    def recv(self, like: torch.Tensor, src: int) -> torch.Tensor:
+        """What rank ``src`` sends, shaped and typed as ``like``."""
+        self._log("recv", like, src)
+        return self.group.recv(like.shape, like.dtype, src)
+
+    def gather_output(self, hidden: torch.Tensor, all_rows: bool) -> torch.Tensor:
+        """The step's hidden states in the runner's row order: ``num_tokens_padded`` rows, padding zero.
 
         vLLM reads only the row of each request's last new token (it samples from it) unless a request
         wants prompt logprobs, which read every row: ``all_rows=False`` gathers ``num_reqs`` rows per
         rank instead of ``t_pad`` and leaves the other rows zero; the rows vLLM reads are the same bits.
         """
-        out = hidden.new_zeros(num_rows, *hidden.shape[1:])
+        out = hidden.new_zeros(self.num_tokens_padded, *hidden.shape[1:])
         if all_rows:
             gathered = self.all_gather(hidden)
             out[: self.plan.num_tokens] = gathered.index_select(0, self.t.gathered_of_full)
             return out
-        full, send, pick = self._cached("sample_rows", lambda: tuple(
-            self.to_device(x) for x in self.plan.sample_rows()))
-        rows = self.all_gather(hidden.index_select(0, send))
-        out.index_copy_(0, full, rows.index_select(0, pick))
+        rows = self.sample_rows
+        picked = self.all_gather(hidden.index_select(0, rows.send))
+        out.index_copy_(0, rows.full, picked.index_select(0, rows.pick))
         return out
 
-    # ---------------------------------------------------------------- cached
-    def _cached(self, key, build):
-        extra = self.t.extra
-        if key not in extra:
-            extra[key] = build()
-        return extra[key]
+    # ------------------------------------------------------------- per-step indices
+    @cached_property
+    def sample_rows(self) -> SampleRowIndex:
+        rows = self.plan.sample_rows()
+        return SampleRowIndex(*(self.to_device(x) for x in (rows.full, rows.send, rows.pick)))
 
-    def to_device(self, x: np.ndarray, dtype=torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype).to(
-            self.device, non_blocking=True
+    def conv_index(self, width: int) -> ConvIndex:
+        """The halo indices of a short conv of this width (once per step and width)."""
+        if width not in self._conv:
+            sources = self.plan.conv_sources(width)
+            self._conv[width] = ConvIndex(self.to_device(self.plan.tail_rows(width)),
+                                          self.to_device(sources.halo), self.to_device(sources.final))
+        return self._conv[width]
+
+    @cached_property
+    def state_passing(self) -> StatePassingIndex:
+        plan = self.plan
+        segs = plan.local_segments
+        starts_from_cache = np.array([s.block <= 0 and plan.num_computed[s.req] > 0 for s in segs], dtype=bool)
+        replicated = [j for j, s in enumerate(segs) if s.block < 0]
+        block_slots = plan.split_block_slots()
+        return StatePassingIndex(
+            starts_from_cache=self.to_device(starts_from_cache, torch.bool),
+            replicated_slots=self.to_device(np.array(replicated, dtype=np.int64)),
+            replicated_reqs=self.to_device(np.array([segs[j].req for j in replicated], dtype=np.int64)),
+            split_reqs=self.to_device(plan.split_reqs.astype(np.int64)),
+            block_slots=block_slots,
+            block_slots_dev={b: self.to_device(np.array(v, dtype=np.int64)) for b, v in block_slots.items()},
         )
 
-    def conv_index(self, width: int):
-        """(tail_rows [S, w-1], halo [S, w-1], final [R, w-1]) for a short conv of this width."""
-
-        def build():
-            halo, final = self.plan.conv_sources(width)
-            tails = self.plan.tail_rows(width)
-            return self.to_device(tails), self.to_device(halo), self.to_device(final)
-
-        return self._cached(("conv", width), build)
-
-    def gdn_index(self):
-        """Per-step GDN indices: segments that start from the cache, replicated segments, and this
-        rank's blocks of the split requests (block -> local positions, on host and device)."""
-
-        def build():
-            plan = self.plan
-            segs = plan.local_segments
-            starts_from_cache = np.array(
-                [s.block <= 0 and plan.num_computed[s.req] > 0 for s in segs], dtype=bool
-            )
-            replicated = [j for j, s in enumerate(segs) if s.block < 0]
-            block_slots = plan.split_block_slots()
-            return {
-                "starts_from_cache": self.to_device(starts_from_cache, torch.bool),
-                "replicated_slots": self.to_device(np.array(replicated, dtype=np.int64)),
-                "replicated_reqs": self.to_device(
-                    np.array([segs[j].req for j in replicated], dtype=np.int64)
-                ),
-                "split_reqs": self.to_device(plan.split_reqs.astype(np.int64)),
-                "block_slots": block_slots,
-                "block_slots_dev": {
-                    b: self.to_device(np.array(v, dtype=np.int64)) for b, v in block_slots.items()
-                },
-            }
-
-        return self._cached("gdn", build)
-
-    def relay_index(self):
-        """Per-step GDN relay indices: the replicated requests' rows (first in the local layout) and
-        this rank's runs (row range, sequence bounds relative to it on host and device)."""
-
-        def build():
-            plan = self.plan
-            segs, offs = plan.local_segments, plan.seg_offsets[plan.rank]
-            n_rep = sum(s.block < 0 for s in segs)
-            rep_reqs = np.array([s.req for s in segs[:n_rep]], dtype=np.int64)
-
-            def bounds(cu):
-                cu_cpu = torch.from_numpy(np.ascontiguousarray(cu - cu[0], dtype=np.int32))
-                return cu_cpu.to(self.device, non_blocking=True), cu_cpu
-
-            runs = [(int(cu[0]), int(cu[-1]), *bounds(cu)) for cu in plan.run_rows()]
-            return {
-                "replicated": (int(offs[n_rep]), *bounds(offs[: n_rep + 1])),
-                "replicated_reqs": self.to_device(rep_reqs),
-                "replicated_from_cache": self.to_device(plan.num_computed[rep_reqs] > 0, torch.bool),
-                "split_reqs": self.to_device(plan.split_reqs.astype(np.int64)),
-                "split_from_cache": self.to_device(plan.num_computed[plan.split_reqs] > 0, torch.bool),
-                "runs": runs,
-            }
-
-        return self._cached("relay", build)
-
-
-FORWARD_CONTEXT_KEY = "qwen36_pcp"
+    @cached_property
+    def relay(self) -> RelayIndex:
+        plan = self.plan
+        segs, offs = plan.local_segments, plan.seg_offsets[plan.rank]
+        n_rep = sum(s.block < 0 for s in segs)
+        rep_reqs = np.array([s.req for s in segs[:n_rep]], dtype=np.int64)
+        runs = [RelayRun(int(cu[0]), int(cu[-1]), Varlen.of(cu - cu[0], self.device)) for cu in plan.run_rows()]
+        return RelayIndex(
+            replicated_rows=int(offs[n_rep]),
+            replicated=Varlen.of(offs[: n_rep + 1], self.device),
+            replicated_reqs=self.to_device(rep_reqs),
+            replicated_from_cache=self.to_device(plan.num_computed[rep_reqs] > 0, torch.bool),
+            split_reqs=self.to_device(plan.split_reqs.astype(np.int64)),
+            split_from_cache=self.to_device(plan.num_computed[plan.split_reqs] > 0, torch.bool),
+            runs=runs,
+        )
 
 
 def current_pcp_context() -> PCPContext | None:
-    """The PCP context of the running step (set by the runner hook), or None on unsplit steps."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
+    """The PCP context of the running step (set by the runner on split steps), or None."""
     if not is_forward_context_available():
         return None
     return get_forward_context().additional_kwargs.get(FORWARD_CONTEXT_KEY)

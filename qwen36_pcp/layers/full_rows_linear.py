@@ -5,13 +5,15 @@ summation order. For the wide projections that choice leaves every row's bits as
 shared-expert gate ([T, H] x [H, 1]) came out one bf16 ulp apart from pcp=1's on a few rows when a
 rank ran half the step's rows (found with ``python -m tests.gpu.diagnose dump`` on a batch of 1 to
 65536-token prompts), and the GDN layers after it carried that into every later token of the request. At a split step such a layer
-runs on its rows padded to pcp=1's row count for the step (``PCPPlan.num_tokens_padded``): cuBLAS
+runs on its rows padded to pcp=1's row count for the step (``PCPContext.num_tokens_padded``): cuBLAS
 then sees pcp=1's shape. For an output this narrow the extra rows cost next to nothing; the padded
 copy is one hidden-state tensor of the full step, which vLLM's memory profile (an unsplit step of
 that size) covers.
 
 The padding happens inside a custom op, where the step's PCP context is read at run time (a
-compiled graph would otherwise keep the branch it was traced with).
+compiled graph would otherwise keep the branch it was traced with). ``PCPReplicatedLinear`` takes the
+place of vLLM's ``ReplicatedLinear`` in our model at pcp > 1 (``layers.classes``); it is vLLM's layer
+unless its output is that narrow and unquantized.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ MAX_NARROW_OUTPUT = 1
 def _full_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     ctx = current_pcp_context()
     rows = x.shape[0]
-    full = 0 if ctx is None else ctx.plan.num_tokens_padded
+    full = 0 if ctx is None else ctx.num_tokens_padded
     if rows >= full:
         return F.linear(x, weight, bias)
     padded = x.new_empty((full, *x.shape[1:]))  # the extra rows' outputs are dropped
@@ -50,21 +52,23 @@ direct_register_custom_op(
 )
 
 
-class FullRowsReplicatedLinear(ReplicatedLinear):
+def is_narrow(module: ReplicatedLinear) -> bool:
+    """An unquantized replicated linear layer with at most ``MAX_NARROW_OUTPUT`` outputs."""
+    return isinstance(module.quant_method, UnquantizedLinearMethod) and module.output_size <= MAX_NARROW_OUTPUT
+
+
+class PCPReplicatedLinear(ReplicatedLinear):
+    """vLLM's ReplicatedLinear; a narrow one runs on the step's full row count at split steps."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.full_rows = is_narrow(self)
+
     def forward(self, x: torch.Tensor):
+        if not self.full_rows:
+            return super().forward(x)
         bias = self.bias if not self.skip_bias_add else None
         output = torch.ops.vllm.qwen36_pcp_full_rows_linear(x, self.weight, bias)
         if not self.return_bias:
             return output
         return output, (self.bias if self.skip_bias_add else None)
-
-
-def is_narrow(module: torch.nn.Module) -> bool:
-    """An unquantized replicated linear layer with at most ``MAX_NARROW_OUTPUT`` outputs."""
-    return (type(module) is ReplicatedLinear
-            and isinstance(module.quant_method, UnquantizedLinearMethod)
-            and module.output_size <= MAX_NARROW_OUTPUT)
-
-
-def full_row_count(module: ReplicatedLinear) -> None:
-    module.__class__ = FullRowsReplicatedLinear

@@ -1,8 +1,8 @@
 """Gated DeltaNet context parallel: each rank scans only its own segments.
 
 ``relay`` (default, exact): blocks lie on whole 64-token chunks, and each run of adjacent blocks is
-scanned from the true end state of the run before it (handed on by one all-gather per run), so every
-output and state is bit for bit the one-GPU scan's. Only the state recurrence is serial along the
+scanned from the true end state of the run before it (sent to the next run's owner alone; the last
+owner broadcasts the final states), so every output and state is bit for bit the one-GPU scan's. Only the state recurrence is serial along the
 chain; the chunk-local steps (cumsum, K K^T, its solve, the WY factors) run for all local tokens at
 once, and the outputs after the state is sent.
 
@@ -23,7 +23,8 @@ all-gathered), from the cached conv state (continuation), or are zeros (true seq
 
 ``island`` mode gathers the whole batch instead and runs the plain GDN core (reference and fallback).
 Kernels are passed in: ``VllmGDNKernels`` (vLLM's Triton kernels) or any object with the same contract
-(the tests' fp32 torch reference with the same 64-token chunk structure).
+(the tests' fp32 torch reference with the same 64-token chunk structure). Sequences reach the kernels
+as ``context.Varlen``, which keeps their launch metadata for the step.
 """
 
 from __future__ import annotations
@@ -32,8 +33,19 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule, fused_post_conv_prep
+from vllm.model_executor.layers.fla.ops.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+from vllm.model_executor.layers.fla.ops.chunk_o import chunk_fwd_o
+from vllm.model_executor.layers.fla.ops.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+from vllm.model_executor.layers.fla.ops.cumsum import chunk_local_cumsum
+from vllm.model_executor.layers.fla.ops.index import prepare_chunk_indices, prepare_chunk_offsets
+from vllm.model_executor.layers.fla.ops.solve_tril import solve_tril
+from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
+from vllm.model_executor.layers.fla.ops.wy_fast import recompute_w_u_fwd
+from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
 
-from .context import PCPContext
+from .context import PCPContext, Varlen
 
 
 @dataclass
@@ -59,29 +71,24 @@ class VllmGDNKernels:
     """
 
     @staticmethod
-    def conv(x, weight, bias, init_states, cu, cu_cpu, activation="silu", cache=None):
-        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
-        from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
-
+    def conv(x, weight, bias, init_states, seqs: Varlen, activation="silu"):
         num_segs = init_states.shape[0]
-        cache = {} if cache is None else cache
-        key = ("conv_meta", id(cu_cpu))
-        if key not in cache:  # host loops over the tokens: once per step, not once per layer
+        if seqs.conv_meta is None:  # host loops over the tokens: once per step, not once per layer
             nums_dict, batch_ptr, token_chunk_offset_ptr = compute_causal_conv1d_metadata(
-                cu_cpu, device=x.device
+                seqs.cu_cpu, device=x.device
             )
-            cache[key] = SimpleNamespace(
+            seqs.conv_meta = SimpleNamespace(
                 nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr,
                 cache_indices=torch.arange(num_segs, dtype=torch.int32, device=x.device),
                 has_initial_state=torch.ones(num_segs, dtype=torch.bool, device=x.device),
             )
-        meta = cache[key]
+        meta = seqs.conv_meta
         return causal_conv1d_fn(
             x.transpose(0, 1),
             weight,
             bias,
             conv_states=init_states,
-            query_start_loc=cu,
+            query_start_loc=seqs.cu,
             cache_indices=meta.cache_indices,
             has_initial_state=meta.has_initial_state,
             activation=activation,
@@ -92,8 +99,6 @@ class VllmGDNKernels:
 
     @staticmethod
     def prep(y, a, b, w: GDNWeights):
-        from vllm.model_executor.layers.fla.ops import fused_post_conv_prep
-
         return fused_post_conv_prep(
             conv_output=y,
             a=a,
@@ -108,10 +113,8 @@ class VllmGDNKernels:
         )
 
     @staticmethod
-    def chunk(q, k, v, g, beta, init, cu, cu_cpu, scale=None, cache=None):
-        from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
-
-        chunk_indices, chunk_offsets = VllmGDNKernels._chunk_meta(cu_cpu, q.device, cache)
+    def chunk(q, k, v, g, beta, init, seqs: Varlen, scale=None):
+        chunk_indices, chunk_offsets = VllmGDNKernels._chunk_meta(seqs, q.device)
         o, final = chunk_gated_delta_rule(
             q=q[None],
             k=k[None],
@@ -121,7 +124,7 @@ class VllmGDNKernels:
             scale=scale,
             initial_state=init,
             output_final_state=True,
-            cu_seqlens=cu,
+            cu_seqlens=seqs.cu,
             chunk_indices=chunk_indices,
             chunk_offsets=chunk_offsets,
             use_qk_l2norm_in_kernel=False,
@@ -132,8 +135,6 @@ class VllmGDNKernels:
     def warm_scan(cls, w: GDNWeights, num_v_heads: int, augmented: bool, device, dtype=torch.bfloat16):
         """Build and autotune prep + the chunk scan on one 64-token chunk of random inputs, at value
         width V (the plain scan) or V + K (``augmented_values``)."""
-        from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
-
         T, K = FLA_CHUNK_SIZE, w.head_k_dim
         dim = 2 * w.num_k_heads * K + num_v_heads * w.head_v_dim
         y = torch.randn(T, dim, device=device, dtype=dtype)
@@ -142,40 +143,26 @@ class VllmGDNKernels:
         if augmented:
             v = augmented_values(v, K)
         init = torch.zeros(1, num_v_heads, v.shape[-1], K, device=device, dtype=torch.float32)
-        cu_cpu = torch.tensor([0, T], dtype=torch.int32)
-        cls.chunk(q, k, v, g, beta, init, cu_cpu.to(device), cu_cpu)
+        cls.chunk(q, k, v, g, beta, init, Varlen.of([0, T], device))
 
     @staticmethod
-    def _chunk_meta(cu_cpu, device, cache):
-        """fla's chunk indices and offsets of sequences ``cu_cpu``, once per step (``cache``)."""
-        from vllm.model_executor.layers.fla.ops.index import (
-            prepare_chunk_indices,
-            prepare_chunk_offsets,
-        )
-        from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
-
-        cache = {} if cache is None else cache
-        key = ("chunk_meta", id(cu_cpu))
-        if key not in cache:
-            cache[key] = (
-                prepare_chunk_indices(cu_cpu, FLA_CHUNK_SIZE).to(device, non_blocking=True),
-                prepare_chunk_offsets(cu_cpu, FLA_CHUNK_SIZE).to(device, non_blocking=True),
+    def _chunk_meta(seqs: Varlen, device):
+        """fla's chunk indices and offsets of ``seqs``, once per step."""
+        if seqs.chunk_meta is None:
+            seqs.chunk_meta = (
+                prepare_chunk_indices(seqs.cu_cpu, FLA_CHUNK_SIZE).to(device, non_blocking=True),
+                prepare_chunk_offsets(seqs.cu_cpu, FLA_CHUNK_SIZE).to(device, non_blocking=True),
             )
-        return cache[key]
+        return seqs.chunk_meta
 
     # relay: the steps of vLLM's chunk_gated_delta_rule_fwd, split where the recurrence starts
     @staticmethod
-    def chunk_local(q, k, v, g, beta, cu, cu_cpu, cache=None):
+    def chunk_local(q, k, v, g, beta, seqs: Varlen):
         """cumsum of g, beta K K^T, its triangular solve and the WY factors w, u: chunk by chunk, so one
         call for every local row gives each run's rows what a call on the run alone would."""
-        from vllm.model_executor.layers.fla.ops.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
-        from vllm.model_executor.layers.fla.ops.cumsum import chunk_local_cumsum
-        from vllm.model_executor.layers.fla.ops.solve_tril import solve_tril
-        from vllm.model_executor.layers.fla.ops.utils import FLA_CHUNK_SIZE
-        from vllm.model_executor.layers.fla.ops.wy_fast import recompute_w_u_fwd
-
         q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g, beta))
-        chunk_indices, _ = VllmGDNKernels._chunk_meta(cu_cpu, q.device, cache)
+        chunk_indices, _ = VllmGDNKernels._chunk_meta(seqs, q.device)
+        cu = seqs.cu
         g = chunk_local_cumsum(g, chunk_size=FLA_CHUNK_SIZE, cu_seqlens=cu, chunk_indices=chunk_indices)
         A = chunk_scaled_dot_kkt_fwd(k=k, beta=beta, g=g, cu_seqlens=cu, chunk_indices=chunk_indices,
                                      output_dtype=torch.float32)
@@ -185,25 +172,21 @@ class VllmGDNKernels:
         return SimpleNamespace(q=q, k=k, g=g, w=w, u=u)
 
     @staticmethod
-    def chunk_states(prep, lo, hi, init, cu, cu_cpu, cache=None):
-        from vllm.model_executor.layers.fla.ops.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-
-        chunk_indices, chunk_offsets = VllmGDNKernels._chunk_meta(cu_cpu, init.device, cache)
+    def chunk_states(prep, lo, hi, init, seqs: Varlen):
+        chunk_indices, chunk_offsets = VllmGDNKernels._chunk_meta(seqs, init.device)
         h, v_new, final = chunk_gated_delta_rule_fwd_h(
             k=prep.k[:, lo:hi], w=prep.w[:, lo:hi], u=prep.u[:, lo:hi], g=prep.g[:, lo:hi],
-            initial_state=init, output_final_state=True, cu_seqlens=cu, chunk_indices=chunk_indices,
+            initial_state=init, output_final_state=True, cu_seqlens=seqs.cu, chunk_indices=chunk_indices,
             chunk_offsets=chunk_offsets,
         )
         return final, (h, v_new)
 
     @staticmethod
-    def chunk_outputs(prep, lo, hi, pending, cu, cu_cpu, cache=None):
-        from vllm.model_executor.layers.fla.ops.chunk_o import chunk_fwd_o
-
+    def chunk_outputs(prep, lo, hi, pending, seqs: Varlen):
         h, v_new = pending
-        chunk_indices, _ = VllmGDNKernels._chunk_meta(cu_cpu, h.device, cache)
+        chunk_indices, _ = VllmGDNKernels._chunk_meta(seqs, h.device)
         o = chunk_fwd_o(q=prep.q[:, lo:hi], k=prep.k[:, lo:hi], v=v_new, h=h, g=prep.g[:, lo:hi],
-                        scale=prep.k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_indices=chunk_indices)
+                        scale=prep.k.shape[-1] ** -0.5, cu_seqlens=seqs.cu, chunk_indices=chunk_indices)
         return o[0].to(prep.q.dtype)
 
 
@@ -216,19 +199,17 @@ def conv_with_halo(ctx: PCPContext, kernels, mixed_qkv, w: GDNWeights, conv_stat
     T = ctx.t.num_local_tokens
     width = w.conv_weight.shape[1]
     w1 = width - 1
-    tail_rows, halo_idx, final_idx = ctx.conv_index(width)
+    index = ctx.conv_index(width)
     D = mixed_qkv.shape[1]
-    tails = ctx.all_gather(mixed_qkv.index_select(0, tail_rows.reshape(-1)))  # [N*S*w1, D]
+    tails = ctx.all_gather(mixed_qkv.index_select(0, index.tail_rows.reshape(-1)))  # [N*S*w1, D]
     cached = conv_state.index_select(0, state_idx).transpose(1, 2).reshape(-1, D)  # [R*w1, D]
     table = torch.cat([tails, cached.to(tails.dtype), tails.new_zeros(1, D)], 0)
     # [S, W-1, D] storage viewed as [S, D, W-1]: the layout of vLLM's default ("SD") conv-state cache
-    halo = table.index_select(0, halo_idx.reshape(-1)).view(-1, w1, D).to(mixed_qkv.dtype)
-    new_state = table.index_select(0, final_idx.reshape(-1)).view(-1, w1, D).transpose(1, 2)
+    halo = table.index_select(0, index.halo.reshape(-1)).view(-1, w1, D).to(mixed_qkv.dtype)
+    new_state = table.index_select(0, index.final.reshape(-1)).view(-1, w1, D).transpose(1, 2)
     conv_state[state_idx] = new_state.to(conv_state.dtype)
-    return kernels.conv(
-        mixed_qkv[:T], w.conv_weight, w.conv_bias, halo.transpose(1, 2), ctx.t.cu_q,
-        ctx.t.cu_q_cpu, w.activation, cache=ctx.t.extra,
-    )
+    return kernels.conv(mixed_qkv[:T], w.conv_weight, w.conv_bias, halo.transpose(1, 2), ctx.t.segments,
+                        w.activation)
 
 
 # --------------------------------------------------------------------------- state passing
@@ -250,7 +231,7 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
     q, k, v, g, beta = kernels.prep(y, a[:T], b[:T], w)
     HV, V = v.shape[1], v.shape[2]
     K = k.shape[2]
-    idx = ctx.gdn_index()
+    idx = ctx.state_passing
     seg_req = ctx.t.seg_req
 
     # [X_0 | I] initial states; X_0 from the cache for a request's first segment on continuation
@@ -258,19 +239,18 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
     init = torch.zeros(num_segs, HV, V + K, K, dtype=torch.float32, device=v.device)
     init[:, :, V:, :] = torch.eye(K, dtype=torch.float32, device=v.device)
     cached = ssm_state.index_select(0, state_idx.index_select(0, seg_req)).float()
-    init[:, :, :V, :] = torch.where(idx["starts_from_cache"][:, None, None, None], cached, 0.0)
+    init[:, :, :V, :] = torch.where(idx.starts_from_cache[:, None, None, None], cached, 0.0)
 
     v_aug = augmented_values(v, K)
-    o, final = kernels.chunk(q, k, v_aug, g, beta, init, ctx.t.cu_q, ctx.t.cu_q_cpu, cache=ctx.t.extra)
+    o, final = kernels.chunk(q, k, v_aug, g, beta, init, ctx.t.segments)
 
     core_attn_out[:T] = o[:, :, :V]
     if len(plan.split_reqs):  # every rank takes part in the gather, corrections or not
         x_end = _fold_split_states(ctx, o, final, core_attn_out, V)
-        ssm_state[state_idx.index_select(0, idx["split_reqs"])] = x_end.to(ssm_state.dtype)
-    rep_slots = idx["replicated_slots"]
-    if rep_slots.numel():
-        _keep_primary_states(ctx, ssm_state, state_idx, idx["replicated_reqs"],
-                             final.index_select(0, rep_slots)[:, :, :V, :])
+        ssm_state[state_idx.index_select(0, idx.split_reqs)] = x_end.to(ssm_state.dtype)
+    if idx.replicated_slots.numel():
+        _keep_primary_states(ctx, ssm_state, state_idx, idx.replicated_reqs,
+                             final.index_select(0, idx.replicated_slots)[:, :, :V, :])
 
 
 def _keep_primary_states(ctx: PCPContext, ssm_state, state_idx, reqs, final):
@@ -293,8 +273,8 @@ def _fold_split_states(ctx: PCPContext, o, final, core_attn_out, V):
     state ([V, K]) for the run holding block 0; payloads are padded to the largest rank's.
     """
     plan = ctx.plan
-    idx = ctx.gdn_index()
-    slots, slots_dev = idx["block_slots"], idx["block_slots_dev"]
+    idx = ctx.state_passing
+    slots, slots_dev = idx.block_slots, idx.block_slots_dev
     num_split, HV, VK, K = len(plan.split_reqs), final.shape[1], final.shape[2], final.shape[3]
 
     def numel(first):
@@ -328,7 +308,7 @@ def _fold_split_states(ctx: PCPContext, o, final, core_attn_out, V):
             x = _compose(x, s, V)
 
     # this rank's blocks: X_in of each block, then o += c_t X_in^T per segment (bf16 GEMM, fp32 acc.)
-    cu = ctx.t.cu_q_cpu.tolist()
+    cu = ctx.t.segments.cu_cpu.tolist()
     for own, first, last in plan.summary_runs:
         if own != plan.rank:
             continue
@@ -351,42 +331,45 @@ def gdn_relay(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, w: GDNWe
     """GDN core of this rank's tokens, bit for bit one GPU's scan (blocks on whole chunks).
 
     The split requests' runs of blocks are scanned in chain order, each from the true end state of
-    the run before it, which one all-gather per run hands on. The chunk-local steps run for all local
-    tokens at once and a run's outputs after its state is sent, so only the state recurrence is
-    serial. Same arguments as ``gdn_state_passing``.
+    the run before it, which its owner sends to the next run's owner alone (consecutive runs have
+    different owners); the last run's owner then broadcasts the final states, which every rank writes
+    into its cache. The chunk-local steps run for all local tokens at once and a run's outputs after
+    its state is sent, so only the state recurrence is serial. Same arguments as ``gdn_state_passing``.
     """
     plan = ctx.plan
     T = ctx.t.num_local_tokens
     y = conv_with_halo(ctx, kernels, mixed_qkv, w, conv_state, state_idx)
     q, k, v, g, beta = kernels.prep(y, a[:T], b[:T], w)
-    idx = ctx.relay_index()
-    cache = ctx.t.extra
-    prep = kernels.chunk_local(q, k, v, g, beta, ctx.t.cu_q, ctx.t.cu_q_cpu, cache=cache)
+    idx = ctx.relay
+    prep = kernels.chunk_local(q, k, v, g, beta, ctx.t.segments)
 
     def start_states(reqs, from_cache):
         cached = ssm_state.index_select(0, state_idx.index_select(0, reqs)).float()
         return torch.where(from_cache[:, None, None, None], cached, 0.0)
 
-    rows, cu, cu_cpu = idx["replicated"]
+    rows = idx.replicated_rows
     if rows:
-        init = start_states(idx["replicated_reqs"], idx["replicated_from_cache"])
-        final, pending = kernels.chunk_states(prep, 0, rows, init, cu, cu_cpu, cache)
-        core_attn_out[:rows] = kernels.chunk_outputs(prep, 0, rows, pending, cu, cu_cpu, cache)
-        _keep_primary_states(ctx, ssm_state, state_idx, idx["replicated_reqs"], final)
+        init = start_states(idx.replicated_reqs, idx.replicated_from_cache)
+        final, pending = kernels.chunk_states(prep, 0, rows, init, idx.replicated)
+        core_attn_out[:rows] = kernels.chunk_outputs(prep, 0, rows, pending, idx.replicated)
+        _keep_primary_states(ctx, ssm_state, state_idx, idx.replicated_reqs, final)
     if not len(plan.split_reqs):
         return
-    x = start_states(idx["split_reqs"], idx["split_from_cache"])
-    mine = iter(idx["runs"])
-    for own, _, _ in plan.summary_runs:
-        if own == plan.rank:
-            lo, hi, cu, cu_cpu = next(mine)
-            payload, pending = kernels.chunk_states(prep, lo, hi, x, cu, cu_cpu, cache)
-        else:
-            payload = torch.zeros_like(x)
-        x = ctx.all_gather(payload).view(plan.world_size, *x.shape)[own]
-        if own == plan.rank:
-            core_attn_out[lo:hi] = kernels.chunk_outputs(prep, lo, hi, pending, cu, cu_cpu, cache)
-    ssm_state[state_idx.index_select(0, idx["split_reqs"])] = x.to(ssm_state.dtype)
+    x = start_states(idx.split_reqs, idx.split_from_cache)  # block 0's start state: on every rank
+    chain = plan.summary_runs
+    mine = iter(idx.runs)
+    for j, (own, _, _) in enumerate(chain):
+        if own != plan.rank:
+            continue
+        if j > 0:
+            x = ctx.recv(x, src=chain[j - 1][0])
+        run = next(mine)
+        x, pending = kernels.chunk_states(prep, run.lo, run.hi, x, run.seqs)
+        if j + 1 < len(chain):
+            ctx.send(x, dst=chain[j + 1][0])
+        core_attn_out[run.lo : run.hi] = kernels.chunk_outputs(prep, run.lo, run.hi, pending, run.seqs)
+    x = ctx.broadcast(x, src=chain[-1][0])
+    ssm_state[state_idx.index_select(0, idx.split_reqs)] = x.to(ssm_state.dtype)
 
 
 # ---------------------------------------------------------------------------------- island

@@ -1,12 +1,12 @@
 """vLLM's GatedDeltaNetAttention with context-parallel steps (relay, state passing or island).
 
 Only the core (conv + gated delta rule) changes: projections, gated norm and out_proj run on the local
-tokens as usual. Steps without a PCP context (pcp == 1, decode-only steps, profiling) take vLLM's path.
+tokens as usual. Steps without a PCP context (pcp == 1, unsplit steps, profiling) take vLLM's path.
+The mode comes from the step's PCP config (``PCPContext.config``), the one place it is set.
 """
 
 from __future__ import annotations
 
-import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -18,8 +18,6 @@ CORES = {"relay": gdn_relay, "state_passing": gdn_state_passing}
 
 
 class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
-    pcp_gdn_mode = "relay"  # set per layer from the PCP config when the model installs the class
-
     def gdn_weights(self) -> GDNWeights:
         w = self.conv1d.weight
         return GDNWeights(
@@ -33,29 +31,24 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
             activation=self.activation,
         )
 
-    def _warmup_augmented_scan(self, mixed_qkv):
-        """Autotune the chunk kernels for the augmented value width (V + K) during profiling, as vLLM
-        does for V: otherwise the first split step pays it (a minute on a fresh machine) and the
-        autotuner's buffers come out of memory that the KV cache already took."""
-        if getattr(PCPGatedDeltaNetAttention, "_augmented_warmed_up", False):
-            return
-        PCPGatedDeltaNetAttention._augmented_warmed_up = True
+    def warm_augmented_scan(self, device, dtype) -> None:
+        """Autotune the chunk kernels for state passing's augmented value width (V + K), as vLLM does
+        for V during profiling: otherwise the first split step pays it (a minute on a fresh machine)
+        and the autotuner's buffers come out of memory the KV cache already took."""
         VllmGDNKernels.warm_scan(self.gdn_weights(), self.num_v_heads // self.tp_size, augmented=True,
-                                 device=mixed_qkv.device, dtype=mixed_qkv.dtype)
-        torch.accelerator.empty_cache()
+                                 device=device, dtype=dtype)
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         ctx = current_pcp_context()
         if ctx is None:
-            if get_forward_context().attn_metadata is None and self.pcp_gdn_mode == "state_passing":
-                self._warmup_augmented_scan(mixed_qkv)  # profile run (relay uses vLLM's own shapes)
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
-        if ctx.plan.config.gdn_mode == "island":
+        mode = ctx.config.gdn_mode
+        if mode == "island":
             return gdn_island(ctx, super()._forward_core, mixed_qkv, b, a, core_attn_out)
         meta = get_forward_context().attn_metadata[self.prefix]
         conv_state = self.kv_cache[0]
         if not is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)
         state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
-        CORES[ctx.plan.config.gdn_mode](ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out,
-                                        self.gdn_weights(), conv_state, self.kv_cache[1], state_idx)
+        CORES[mode](ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(), conv_state,
+                    self.kv_cache[1], state_idx)

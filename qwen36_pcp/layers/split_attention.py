@@ -9,6 +9,7 @@ segment's tokens and whose keys are the request's first ``num_computed + segment
 from __future__ import annotations
 
 import torch
+from vllm.v1.attention.backends import flash_attn as fa
 
 from .context import PCPContext
 
@@ -50,8 +51,6 @@ def attend_local_flash(ctx: PCPContext, query, key_cache, value_cache, block_tab
     bit pcp=1's wherever pcp=1 does not split (its long steps). The cost is occupancy on split steps
     whose ranks hold few query tiles against long keys (small prefill chunks at large N).
     """
-    from vllm.v1.attention.backends import flash_attn as fa
-
     t = ctx.t
     n = t.num_local_tokens
     fa.flash_attn_varlen_func(
@@ -59,7 +58,7 @@ def attend_local_flash(ctx: PCPContext, query, key_cache, value_cache, block_tab
         k=key_cache,
         v=value_cache,
         out=output[:n],
-        cu_seqlens_q=t.cu_q,
+        cu_seqlens_q=t.segments.cu,
         max_seqlen_q=t.max_q,
         seqused_k=t.seqused_k,
         max_seqlen_k=t.max_k,

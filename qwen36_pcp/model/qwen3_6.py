@@ -4,9 +4,9 @@ Built on vLLM's own Qwen3.5 layers. It loads the published multimodal checkpoint
 (``model.language_model.*``; the vision tower and the MTP head are skipped) as well as flat text
 checkpoints, MoE and dense. It adds what vLLM 0.20.2's ``Qwen3_5*ForCausalLM`` lack for a hybrid model
 (``IsHybrid`` and the mamba-state classmethods) and text-only M-RoPE positions. At
-prefill_context_parallel_size > 1 its GDN layers and attention impls switch to the PCP versions and
-its experts stay whole on every rank (``moe_experts``; see ``runner_hooks.whole_experts_on_every_pcp_rank``);
-at pcp == 1 it is vLLM's model.
+prefill_context_parallel_size > 1 it is built with the PCP layers (``layers.classes``: GDN, attention
+impl, narrow linear layers, and experts whole on every rank unless ``moe_experts="sharded"``); at
+pcp == 1 it is vLLM's model.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from collections.abc import Iterable
 import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
 from vllm.model_executor.models.interfaces import IsHybrid, SupportsMRoPE
 from vllm.model_executor.models.qwen3_5 import (
     Qwen3_5ForCausalLMBase,
@@ -28,7 +26,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
 from ..checks import whole_experts_bytes
 from ..config import ARCHITECTURE, pcp_config_of
-from ..runner_hooks import whole_experts_on_every_pcp_rank
+from ..layers.classes import adopt_pcp_attention, pcp_layer_classes, pcp_layer_replacements
 
 logger = init_logger(__name__)
 
@@ -40,7 +38,10 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        with whole_experts_on_every_pcp_rank(vllm_config):
+        pcp = vllm_config.parallel_config.prefill_context_parallel_size > 1
+        moe = bool(getattr(vllm_config.model_config.hf_text_config, "num_experts", 0))
+        replacements = pcp_layer_replacements(pcp_config_of(vllm_config), moe) if pcp else {}
+        with pcp_layer_classes(replacements):
             Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
         if getattr(self.config, "num_experts", 0):
             self.set_moe_parameters()
@@ -48,8 +49,8 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
             self.num_moe_layers = 0
             self.expert_weights = []
             self.moe_layers = []
-        if vllm_config.parallel_config.prefill_context_parallel_size > 1:
-            install_pcp_layers(self, pcp_config_of(vllm_config))
+        if pcp:
+            adopt_pcp_attention(self)
             experts = [m for m in self.modules() if hasattr(m, "moe_parallel_config")]
             if experts:
                 par = experts[0].moe_parallel_config
@@ -102,34 +103,3 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
                 ", ".join(f"{n} under {p!r}" for p, n in sorted(skipped.items())),
             )
         return loaded
-
-
-def install_pcp_layers(model: torch.nn.Module, config) -> None:
-    """Switch GDN layers and attention impls to their PCP versions and narrow linear layers to pcp=1's
-    row count (same weights, same caches)."""
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-
-    from ..layers.full_rows_linear import full_row_count, is_narrow
-    from ..layers.pcp_attention import PCPFlashAttentionImpl
-    from ..layers.pcp_gdn import PCPGatedDeltaNetAttention
-
-    for name, module in model.named_modules():
-        if is_narrow(module):  # the shared-expert gate
-            full_row_count(module)
-        elif isinstance(module, GatedDeltaNetAttention):
-            module.__class__ = PCPGatedDeltaNetAttention
-            module.pcp_gdn_mode = config.gdn_mode
-        elif isinstance(module, Attention):
-            impl = module.impl
-            if type(impl) is not FlashAttentionImpl:
-                raise ValueError(
-                    f"{ARCHITECTURE}: prefill context parallel needs the FLASH_ATTN attention "
-                    f"backend, but layer {name} uses {type(impl).__name__}. Pass "
-                    "attention_backend='FLASH_ATTN' (or leave the backend on auto)."
-                )
-            if tuple(impl.sliding_window) != (-1, -1):
-                raise ValueError(
-                    f"{ARCHITECTURE}: prefill context parallel does not support sliding-window "
-                    f"attention (layer {name})."
-                )
-            impl.__class__ = PCPFlashAttentionImpl

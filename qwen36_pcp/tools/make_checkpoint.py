@@ -324,7 +324,8 @@ def _remove_weights(out: Path) -> None:
 
 
 def _write_safetensors(out: Path, tensors: dict, num_shards: int) -> None:
-    """One file, or up to ``num_shards`` files of about equal size (names in sorted order) + index."""
+    """One file, or ``num_shards`` files of about equal size (names in sorted order, at least one tensor
+    each; ``make_checkpoint`` refuses more shards than tensors) + index."""
     from safetensors.torch import save_file
 
     names = sorted(tensors)
@@ -335,8 +336,11 @@ def _write_safetensors(out: Path, tensors: dict, num_shards: int) -> None:
     total = sum(sizes.values())
     shards: list[list[str]] = [[]]
     acc = 0
-    for n in names:
-        if acc >= total / num_shards * len(shards) and len(shards) < num_shards:
+    for j, n in enumerate(names):
+        # a new shard at each size threshold, and at the end one per tensor while shards are missing:
+        # a tensor larger than a shard's share crosses several thresholds at once
+        missing = num_shards - len(shards)
+        if missing and shards[-1] and (acc >= total / num_shards * len(shards) or len(names) - j <= missing):
             shards.append([])
         shards[-1].append(n)
         acc += sizes[n]
@@ -385,10 +389,18 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     p = PRESETS.get(preset, {})
     config_only = p.get("config_only", False) if config_only is None else config_only
     _check_args(out, preset, seed, num_shards, config_only, force)
-    out.mkdir(parents=True, exist_ok=True)
     config = build_config(p)
     if fp8:
         config["quantization_config"] = fp8_quantization_config(tensor_specs(config))
+    weights = None
+    if not config_only:  # made before anything is written: the number of shards is checked against them
+        weights = make_weights(config, seed)
+        weights = to_fp8(weights) if fp8 else weights
+        if num_shards > len(weights):
+            raise BadInput(f"{num_shards} weight shards asked for, but preset {preset!r}"
+                           f"{' in fp8' if fp8 else ''} has {len(weights)} tensors and a shard holds at least "
+                           f"one: pass --num-shards {len(weights)} or fewer")
+    out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     for name, obj in _side_configs(p).items():
         _write_json(out / name, obj)
@@ -396,9 +408,8 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
                                         encoding="utf-8")
     _write_json(out / "tokenizer_config.json", _tokenizer_config(p))
     _remove_weights(out)
-    if not config_only:
-        weights = make_weights(config, seed)
-        _write_safetensors(out, to_fp8(weights) if fp8 else weights, num_shards)
+    if weights is not None:
+        _write_safetensors(out, weights, num_shards)
     return out
 
 
@@ -416,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                          "weights, the others are the real full-size configs")
     ap.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random weights (>= 0)")
     ap.add_argument("--num-shards", type=int, default=1, metavar="N",
-                    help="split the weights into this many files plus model.safetensors.index.json")
+                    help="split the weights into this many files plus model.safetensors.index.json "
+                         "(at most one per tensor)")
     ap.add_argument("--config-only", action="store_true",
                     help="write config and tokenizer but no weights (implied by the full-size presets)")
     ap.add_argument("--force", action="store_true",

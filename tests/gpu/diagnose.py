@@ -8,7 +8,7 @@
 on LAYOUT (shared GPU), every module's input and output for the listed steps and rows saved
 (``layer_dump``) and lined up: the first module where the layout's rows differ from pcp=1's.
 ``kkt-race``: whether vLLM's GDN prefill kernels repeat themselves, and per autotune config of
-``chunk_scaled_dot_kkt_fwd`` (the race ``qwen36_pcp.runner_hooks.race_free_gdn_kkt`` avoids).
+``chunk_scaled_dot_kkt_fwd`` (the race ``qwen36_pcp.deterministic_gdn.race_free_gdn_kkt`` avoids).
 ``warm``: the Triton kernels pcp > 1 and tp = 2 engines add to pcp=1's, for a warm Triton cache.
 """
 

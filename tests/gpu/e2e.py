@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = {"architectures": ["Qwen3_6ForCausalLM"]}
 # vLLM 0.20.2's GDN kernel chunk_scaled_dot_kkt_fwd races under some autotune configs, so vLLM did
-# not repeat its own answers past ~2k tokens (qwen36_pcp.runner_hooks.race_free_gdn_kkt). Every
+# not repeat its own answers past ~2k tokens (qwen36_pcp.deterministic_gdn.race_free_gdn_kkt). Every
 # engine and server here, pcp=1, tp=2 and vLLM's own model included, runs without the race, so a
 # comparison measures the two setups and not the race. QWEN36_PCP_DETERMINISTIC_GDN=0 in the
 # environment overrides this (to see vLLM as it is).
@@ -342,7 +342,7 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
 # package files that cannot change an engine's answers (the checkpoint maker: its output is hashed)
 NOT_IN_FINGERPRINT = ("qwen36_pcp/tools/",)
 # the test-side code that runs inside engines
-ENGINE_SIDE = ("e2e.py", "shared_gpu.py", "layer_dump.py")
+ENGINE_SIDE = ("tests/gpu/e2e.py", "harness/shared_gpu.py", "tests/gpu/layer_dump.py")
 
 
 def fingerprint(spec: dict) -> dict:
@@ -357,8 +357,7 @@ def fingerprint(spec: dict) -> dict:
     code = hashlib.sha256()
     paths = [p for p in (REPO / "qwen36_pcp").rglob("*.py")
              if not str(p.relative_to(REPO)).startswith(NOT_IN_FINGERPRINT)]
-    here = Path(__file__).resolve().parent
-    for path in sorted([*paths, *(here / name for name in ENGINE_SIDE)]):
+    for path in sorted([*paths, *(REPO / name for name in ENGINE_SIDE)]):
         code.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     model = Path(spec.get("llm", {}).get("model", ""))
     ckpt = hashlib.sha256()
@@ -386,7 +385,7 @@ def _reused(name: str, made_by: dict):
     return saved
 
 
-SHARED_WORKER = "tests.gpu.shared_gpu.SharedGPUWorker"
+SHARED_WORKER = "harness.shared_gpu.SharedGPUWorker"
 SHARED_UTILIZATION, SHARED_KV_BYTES = 0.2, 4 << 30  # per engine on the shared GPU
 SHARED_GPU_ENV = "QWEN36_PCP_SHARED_GPU"
 # ranks of all engines running at once on the shared GPU (each rank is a process on GPU 0)

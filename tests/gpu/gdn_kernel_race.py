@@ -9,7 +9,7 @@ prints how many distinct outputs each gave and, for a nondeterministic one, wher
 ``--sweep-configs`` pins ``chunk_scaled_dot_kkt_fwd`` to each of its autotune configs in turn and
 times it (what keeping only the race-free ones costs).
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
-configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.runner_hooks.race_free_gdn_kkt`` keeps those.
+configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.deterministic_gdn.race_free_gdn_kkt`` keeps those.
 """
 
 import torch

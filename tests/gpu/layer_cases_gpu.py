@@ -15,7 +15,7 @@ from qwen36_pcp.layers.split_attention import attend_local_flash, gather_kv_for_
 from qwen36_pcp.plan import PCPPlan
 from tests.gdn_sweep import case_name, compare, errors, full_core, rank_modes, sweep_batches, sweep_configs
 
-from .layer_inputs import ATTN, GDN, gdn_inputs
+from harness.layer_inputs import ATTN, GDN, gdn_inputs
 
 # fresh prompt, decode row, continuation, short prompt
 ATTENTION_BATCH = ([0, 0, 1500, 40], [8192, 1, 3000, 7])
@@ -85,7 +85,7 @@ def attention_case(rank, group, layout="zigzag"):
 def gdn_sweep_case(rank, group):
     """The GDN sweep (``tests.gdn_sweep``) with vLLM's kernels at the 35B-A3B GDN shape -> failures,
     and the largest errors per mode."""
-    from qwen36_pcp.runner_hooks import race_free_gdn_kkt
+    from qwen36_pcp.deterministic_gdn import race_free_gdn_kkt
 
     race_free_gdn_kkt()  # as every engine at pcp > 1: vLLM's kkt kernel races under some configs
     dev = _device()

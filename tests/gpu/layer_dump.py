@@ -15,7 +15,7 @@ import os
 import numpy as np
 import torch
 
-from .shared_gpu import SharedGPUWorker
+from harness.shared_gpu import SharedGPUWorker
 
 ENV = "QWEN36_PCP_DUMP"
 

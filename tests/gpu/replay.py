@@ -3,14 +3,16 @@
 ``replay(fn, world_size, *args)`` runs ``fn(rank, group, *args)`` for every rank and returns the results
 in rank order. Only one rank runs at a time (a rank hands the GPU on when it waits in a collective), so
 each rank launches the kernels of its own shapes, in a fixed order; an all-gather is a concatenation of
-the ranks' tensors, the same bytes NCCL would move. The ranks share one process, so they share Triton's
-autotuning choices (separate GPUs make their own). Every collective checks that all ranks called the
-same one with the same shape and dtype, as NCCL needs, and a rank that never arrives fails the others
-after ``TIMEOUT_S`` instead of hanging them.
+the ranks' tensors, the same bytes NCCL would move; a send is a copy into the receiver's mailbox. The
+ranks share one process, so they share Triton's autotuning choices (separate GPUs make their own).
+Every collective checks that all ranks called the same one with the same shape and dtype, as NCCL
+needs (a recv, that the send matches it), and a rank that never arrives fails the others after
+``TIMEOUT_S`` instead of hanging them.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import torch
@@ -19,7 +21,8 @@ TIMEOUT_S = 600
 
 
 class ReplayGroup:
-    """The ``all_gather`` and ``broadcast`` contracts of vLLM's GroupCoordinator for one replayed rank."""
+    """The ``all_gather``, ``broadcast``, ``send`` and ``recv`` contracts of vLLM's GroupCoordinator for
+    one replayed rank."""
 
     def __init__(self, shared: _Shared, rank: int):
         self._shared, self.rank_in_group, self.world_size = shared, rank, shared.world_size
@@ -45,6 +48,29 @@ class ReplayGroup:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         return self._exchange(f"broadcast from {src}", x)[src].clone()
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        s = self._shared
+        with s.mail_arrived:
+            s.mail[(self.rank_in_group, dst)].append(x.contiguous().clone())
+            s.mail_arrived.notify_all()
+
+    def recv(self, size, dtype, src: int) -> torch.Tensor:
+        s, box = self._shared, (src, self.rank_in_group)
+        s.turn.release()  # the sender runs until it sends
+        try:
+            with s.mail_arrived:
+                if not s.mail_arrived.wait_for(lambda: s.mail[box] or s.barrier.broken, timeout=TIMEOUT_S):
+                    raise TimeoutError(f"rank {self.rank_in_group}: nothing from rank {src} in {TIMEOUT_S} s")
+                if s.barrier.broken:
+                    raise threading.BrokenBarrierError
+                x = s.mail[box].pop(0)
+        finally:
+            s.turn.acquire()
+        if tuple(x.shape) != tuple(size) or x.dtype != dtype:
+            raise AssertionError(f"rank {src} sent {tuple(x.shape)} {x.dtype}, rank {self.rank_in_group} "
+                                 f"expected {tuple(size)} {dtype}")
+        return x
+
 
 class _Shared:
     def __init__(self, world_size: int):
@@ -52,6 +78,8 @@ class _Shared:
         self.slots: list = [None] * world_size
         self.barrier = threading.Barrier(world_size, timeout=TIMEOUT_S)
         self.turn = threading.Lock()
+        self.mail: dict = collections.defaultdict(list)  # (src, dst) -> tensors sent, not yet received
+        self.mail_arrived = threading.Condition()
 
 
 def replay(fn, world_size: int, *args) -> list:
@@ -66,6 +94,8 @@ def replay(fn, world_size: int, *args) -> list:
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append((rank, e))
             shared.barrier.abort()  # the other ranks stop waiting for this one
+            with shared.mail_arrived:
+                shared.mail_arrived.notify_all()
         finally:
             shared.turn.release()
 

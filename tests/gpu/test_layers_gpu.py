@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from harness.dist import run_distributed
 
 from .layer_cases_gpu import attention_case, gdn_sweep_case
 from .replay import replay

@@ -53,7 +53,7 @@ def warm_plain(s: dict, tp: int = 2) -> None:
 
 
 def main() -> None:
-    from qwen36_pcp.runner_hooks import race_free_gdn_kkt
+    from qwen36_pcp.deterministic_gdn import race_free_gdn_kkt
 
     race_free_gdn_kkt()  # the kkt configs every engine of the checks autotunes among
     # the pcp=2 kernels of every shape first: they cost a pcp=2 engine's start the most

@@ -1,15 +1,17 @@
-"""Every rank of an engine on GPU 0: pcp=2 engines on a 1-GPU machine (a check run, tests only).
+"""Every rank of an engine on GPU 0: pcp=2 engines on a 1-GPU machine (check runs and profiles).
 
 NCCL refuses two ranks on one device ("Duplicate GPU detected", NCCL 2.28.9 on H200). An engine
-built with ``worker_cls="tests.gpu.shared_gpu.SharedGPUWorker"`` and
+built with ``worker_cls="harness.shared_gpu.SharedGPUWorker"`` and
 ``distributed_executor_backend="mp"`` puts every worker on GPU 0 and moves its collectives through
-host memory over gloo. Gathers, broadcasts and point-to-point copies move the same bytes as NCCL, so a
+host memory over gloo. The worker builds on the plugin's ``PCPWorker`` (the PCP model runner at
+pcp > 1, vLLM's at pcp == 1). Gathers, broadcasts and point-to-point copies move the same bytes as NCCL, so a
 pcp=2 engine computes here exactly what it computes on two GPUs; only its speed differs. Sums are
 taken in fp32 on the host, not in NCCL's order: a tp=2 engine here is compared only with another
 engine summed the same way (tp=2 x pcp=2 against tp=2), not with tp=2 over NCCL.
 
-Importing this module (which vLLM does in each worker process, to find the worker class) switches
-the CUDA platform to these communicators before the worker joins the distributed world.
+Building the worker (in each worker process) switches the CUDA platform to these communicators before
+the worker joins the distributed world; importing this module changes nothing (the plugin's config
+check imports it in the front end to see what the worker class builds on).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch.distributed as dist
 from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
 from vllm.distributed.parallel_state import GroupCoordinator
 from vllm.platforms import current_platform
-from vllm.v1.worker.gpu_worker import Worker
+
+from qwen36_pcp.worker import PCPWorker
 
 TURNS_ENV = "QWEN36_PCP_SHARED_TURNS"
 
@@ -153,8 +156,12 @@ class HostStagedCommunicator(DeviceCommunicatorBase):
         return raw.view(dtype).reshape(size).to(self.device)
 
 
-class SharedGPUWorker(Worker):
-    """vLLM's GPU worker on GPU 0 whatever its local rank."""
+class SharedGPUWorker(PCPWorker):
+    """The PCP worker on GPU 0 whatever its local rank, its collectives through the host."""
+
+    def __init__(self, *args, **kwargs):
+        use_host_staged_collectives()
+        super().__init__(*args, **kwargs)
 
     def init_device(self):
         real_count = torch.accelerator.device_count
@@ -181,6 +188,22 @@ class SharedGPUWorker(Worker):
             return super().sample_tokens(grammar_output)
 
 
+_host_staged = False
+
+
+def use_host_staged_collectives() -> None:
+    """In this (worker) process: the platform's device communicator is ``HostStagedCommunicator`` over
+    gloo, and GroupCoordinator's own collectives give up the turn while they wait. Once per process."""
+    global _host_staged
+    if _host_staged:
+        return
+    _host_staged = True
+    _pause_in_group_collectives()
+    type(current_platform).dist_backend = "gloo"
+    type(current_platform).get_device_communicator_cls = classmethod(
+        lambda cls: f"{__name__}.HostStagedCommunicator")
+
+
 def _pause_in_group_collectives() -> None:
     """GroupCoordinator's collectives that bypass the device communicator wait for the other ranks
     without holding a turn. Its tensor broadcast goes through the communicator (a copy to the host on
@@ -205,8 +228,3 @@ def _pause_in_group_collectives() -> None:
                  "send_object", "recv_object", "send_tensor_dict", "recv_tensor_dict"):
         setattr(GroupCoordinator, name, paused(getattr(GroupCoordinator, name)))
 
-
-_pause_in_group_collectives()
-type(current_platform).dist_backend = "gloo"
-type(current_platform).get_device_communicator_cls = classmethod(
-    lambda cls: f"{__name__}.HostStagedCommunicator")

@@ -22,7 +22,8 @@ def _free_port() -> int:
 
 
 class TorchDistGroup:
-    """GroupCoordinator's all_gather and broadcast contracts over the default torch.distributed group."""
+    """GroupCoordinator's all_gather, broadcast, send and recv contracts over the default
+    torch.distributed group."""
 
     def __init__(self):
         import torch.distributed as dist
@@ -44,6 +45,19 @@ class TorchDistGroup:
 
         dist.broadcast(x, src=src)
         return x
+
+    def send(self, x, dst):
+        import torch.distributed as dist
+
+        dist.send(x.contiguous(), dst)
+
+    def recv(self, size, dtype, src):
+        import torch
+        import torch.distributed as dist
+
+        out = torch.empty(size, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
+        dist.recv(out, src)
+        return out
 
 
 def _by_value(result) -> bytes:
@@ -87,7 +101,7 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 # Importing vLLM takes ~13 CPU seconds, and 8 ranks on 2 cores would spend a minute on it: the gloo ranks
 # are forked from one server process that has imported vLLM's process-group module once (it does
 # nothing else, so every rank starts clean). NCCL ranks are spawned (CUDA does not survive a fork).
-_PRELOAD = ["vllm.config", "vllm.distributed.parallel_state", "tests.dist"]
+_PRELOAD = ["vllm.config", "vllm.distributed.parallel_state", "harness.dist"]
 
 
 def _context(backend: str):

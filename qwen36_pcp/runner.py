@@ -1,0 +1,164 @@
+"""The model runner at pcp > 1: vLLM's V1 ``GPUModelRunner`` with split steps and a replicated KV cache.
+
+Each step: ``_prepare_inputs`` (vLLM's, on the whole batch, the same on every rank) ends with the
+step's plan, built once on the host from what every rank already holds (tokens in the cache, tokens
+scheduled now: no collective). A step that splits a prompt runs without CUDA graphs (they were
+captured for whole-batch sizes; the torch.compile'd graph still runs), each rank runs the model on its
+rows with the step's ``PCPContext`` in vLLM's forward context, and one all-gather brings every rank
+the rows vLLM reads next (each request's last row; every row when a request wants prompt logprobs), so
+sampling, logprobs and prompt logprobs see what they see at pcp == 1. An unsplit step (decode, short
+prompts) runs on every rank as at pcp == 1 and takes the rows that get sampled from rank 0.
+
+KV cache: vLLM 0.20.2 would shard it over the PCP ranks (and rejects hybrid models); here every rank
+holds the whole cache and every request's GDN states, so the block tables and slot mapping are
+pcp == 1's (``pcp1_block_tables``), as the engine core's block accounting is (``patches``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import vllm.v1.worker.block_table as block_table_module
+import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
+from vllm.distributed import get_pcp_group
+from vllm.forward_context import get_forward_context
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from .config import PCPConfig, pcp_config_of
+from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
+from .layers.pcp_gdn import PCPGatedDeltaNetAttention
+from .plan import PCPPlan
+
+
+@contextlib.contextmanager
+def pcp1_block_tables():
+    """Block tables built while this runs have pcp == 1's rows: vLLM sizes a request's block-table row
+    for 1/pcp of ``max_model_len`` (``get_total_cp_world_size``, read in the block-table and runner
+    modules); a replicated cache needs the whole sequence's blocks. Reverts when the block ends."""
+    originals = {m: m.get_total_cp_world_size for m in (block_table_module, gpu_model_runner_module)}
+    pcp = get_pcp_group().world_size
+
+    def dcp_only() -> int:
+        return originals[block_table_module]() // pcp
+
+    try:
+        for module in originals:
+            module.get_total_cp_world_size = dcp_only
+        yield
+    finally:
+        for module, fn in originals.items():
+            module.get_total_cp_world_size = fn
+
+
+@dataclass(frozen=True)
+class PCPStep:
+    """What the runner decided for this step, once, after ``_prepare_inputs``."""
+
+    plan: PCPPlan | None  # None: an unsplit step
+    sample_rows: torch.Tensor  # the rows vLLM samples from (``logits_indices``)
+
+
+class PCPModelRunner(GPUModelRunner):
+    """``GPUModelRunner`` for our model at pcp > 1 (built by ``worker.PCPWorker``)."""
+
+    def __init__(self, vllm_config, device: torch.device):
+        with pcp1_block_tables():
+            super().__init__(vllm_config, device)
+        self._replicate_block_tables()
+        self.pcp_config: PCPConfig = pcp_config_of(vllm_config)
+        self.pcp_group = get_pcp_group()
+        self.pcp_step: PCPStep | None = None
+
+    # ------------------------------------------------------------------ replicated KV cache
+    def _replicate_block_tables(self) -> None:
+        """Every rank computes the slot of every new token (vLLM's kernel would give other ranks'
+        tokens the pad slot): the tables see pcp == 1 (DCP, refused with PCP, stays vLLM's)."""
+        for table in self.input_batch.block_table.block_tables:
+            table.pcp_world_size, table.pcp_rank = 1, 0
+
+    def may_reinitialize_input_batch(self, kv_cache_config, kernel_block_sizes) -> None:
+        with pcp1_block_tables():
+            super().may_reinitialize_input_batch(kv_cache_config, kernel_block_sizes)
+        self._replicate_block_tables()
+
+    # ------------------------------------------------------------------------- the step
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
+        logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self.pcp_step = PCPStep(self._plan(num_scheduled_tokens), logits_indices.long())
+        return logits_indices, spec_decode_metadata
+
+    def _plan(self, num_new: np.ndarray) -> PCPPlan | None:
+        """The step's plan, or None when no request has enough new tokens to split."""
+        world = self.pcp_group.world_size
+        if not self.pcp_config.step_splits(num_new, world):
+            return None
+        num_reqs = len(num_new)
+        num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        return PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config)
+
+    def _determine_batch_execution_and_padding(self, *args, force_eager: bool = False, **kwargs):
+        # CUDA graphs were captured for whole-batch sizes; a split step runs a local slice (through
+        # the compiled graph where there is one: force_eager only skips the graphs)
+        split = self.pcp_step is not None and self.pcp_step.plan is not None
+        return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager or split, **kwargs)
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        try:
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            self.pcp_step = None
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                       **model_kwargs):
+        step = self.pcp_step
+        if step is None:
+            return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
+                                          **model_kwargs)
+        if step.plan is None:
+            hidden = super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
+                                            **model_kwargs)
+            return rank0_rows(self.pcp_group, hidden, step.sample_rows)
+        full = input_ids if input_ids is not None else inputs_embeds
+        ctx = PCPContext(step.plan, self.pcp_group, full.device, num_tokens_padded=full.shape[0])
+        idx = ctx.t.local_idx
+        forward_context = get_forward_context()
+        forward_context.additional_kwargs[FORWARD_CONTEXT_KEY] = ctx
+        try:
+            hidden = super()._model_forward(
+                None if input_ids is None else input_ids.index_select(0, idx),
+                None if positions is None else positions.index_select(-1, idx),
+                intermediate_tensors,
+                None if inputs_embeds is None else inputs_embeds.index_select(0, idx),
+                **model_kwargs,
+            )
+        finally:
+            forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
+        # vLLM 0.20.2 reads every row only for prompt logprobs (``_get_prompt_logprobs_dict``);
+        # otherwise ``hidden_states[logits_indices]``, each request's last row (speculative decoding
+        # and pooling, which read more, are refused at startup)
+        return ctx.gather_output(hidden, all_rows=bool(self.num_prompt_logprobs))
+
+    # ------------------------------------------------------------------------ profiling
+    def profile_run(self) -> None:
+        super().profile_run()
+        if self.pcp_config.gdn_mode == "state_passing":
+            layer = next((m for m in self.model.modules() if isinstance(m, PCPGatedDeltaNetAttention)), None)
+            if layer is not None:  # its kernels are shared by every GDN layer of the model
+                layer.warm_augmented_scan(self.device, self.dtype)
+                torch.accelerator.empty_cache()
+
+
+def rank0_rows(group, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``hidden`` with its ``rows`` replaced in place by rank 0's (one all-gather of those rows).
+
+    Unsplit steps run the same batch on every rank; each rank feeds its own sample into its next step,
+    so the rows that get sampled must be the same bits everywhere, and nothing else proves that every
+    kernel picks the same autotune config in every process (with ``moe_experts="sharded"`` and more than
+    two ranks vLLM's MoE reduce-scatter may also sum in a different order per rank).
+    """
+    rank0 = group.all_gather(hidden.index_select(0, rows).contiguous(), dim=0)[: rows.shape[0]]
+    hidden.index_copy_(0, rows, rank0)
+    return hidden

@@ -1,0 +1,120 @@
+"""The PCP model runner's own steps on real gloo ranks: the plan taken once from ``_prepare_inputs``,
+CUDA graphs skipped only at split steps, each rank's slice of the inputs, the output gather (with and
+without prompt logprobs) and rank 0's sampled rows at unsplit steps (its block tables:
+``test_layouts_cpu``).
+
+vLLM's own parts of a step (``_prepare_inputs``, the batch dispatch, the model) are stood in for: the
+model is a function of each row's token id and position, so every row the runner hands vLLM can be
+checked against the same function over the whole batch. Ranks other than 0 add a rank-dependent
+offset to every row (as if their kernels had rounded differently), so a row taken from the wrong copy
+is seen.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from harness.dist import run_distributed
+
+HIDDEN = 4
+
+
+def _model(rank: int, seen: list):
+    """hidden[row] = (id, position, id * position, 1), plus ``rank`` except on the primary copies of a
+    split step's rows (a split row's only copy)."""
+
+    def forward(input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None):
+        from qwen36_pcp.layers.context import current_pcp_context
+
+        ctx = current_pcp_context()
+        seen.append((input_ids.shape[0], ctx is not None))
+        ids, pos = input_ids.double(), positions.double()
+        hidden = torch.stack([ids, pos, ids * pos, torch.ones_like(ids)], dim=1)
+        noise = torch.full((ids.shape[0],), float(rank), dtype=torch.float64)
+        if ctx is not None:  # a split row's one copy is its primary one
+            noise[torch.from_numpy(ctx.plan.primary[rank])] = 0.0
+        return hidden + noise[:, None]
+
+    return forward
+
+
+def _expected(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    ids, pos = ids.double(), pos.double()
+    return torch.stack([ids, pos, ids * pos, torch.ones_like(ids)], dim=1)
+
+
+def _steps(rank, group):
+    """Three steps through one runner: a split step, the same with prompt logprobs, an unsplit one."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.runner import PCPModelRunner
+
+    # vLLM's parts of the step, stood in for in this rank's process
+    dispatched = []
+    GPUModelRunner._prepare_inputs = lambda self, so, n: (torch.from_numpy(
+        np.cumsum(n) - 1).to(torch.int32), None)
+    GPUModelRunner._determine_batch_execution_and_padding = (
+        lambda self, *a, force_eager=False, **kw: dispatched.append(force_eager))
+
+    seen = []
+    runner = object.__new__(PCPModelRunner)  # the runner's state, without vLLM's GPU buffers
+    runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(), group, None
+    runner.model = _model(rank, seen)
+    results = {}
+    # decodes first (vLLM's order), a continuing prompt, a fresh one; 4 rows of padding
+    for name, num_computed, num_new, logprobs in (
+            ("split", [17, 40, 0, 0], [1, 1, 3000, 700], False),
+            ("split_prompt_logprobs", [17, 40, 0, 0], [1, 1, 3000, 700], True),
+            ("unsplit", [17, 40, 3000, 700], [1, 1, 1, 1], False)):
+        num_new = np.array(num_new, dtype=np.int32)
+        runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12))
+        runner.num_prompt_logprobs = {"req": 5} if logprobs else {}
+        logits_indices, _ = runner._prepare_inputs(None, num_new)
+        runner._determine_batch_execution_and_padding(0, 0, num_new, 0, False)
+        starts = np.concatenate([[0], np.cumsum(num_new)[:-1]])
+        ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
+        pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
+        pad = 4
+        ids, pos = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]), torch.cat([pos, torch.zeros(pad, dtype=pos.dtype)])
+        with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
+            hidden = runner._model_forward(input_ids=ids, positions=pos)
+        step = runner.pcp_step
+        results[name] = {"hidden": hidden, "expected": _expected(ids, pos), "rows": logits_indices.long(),
+                         "split": None if step.plan is None else step.plan.split.tolist(),
+                         "seen": seen[-1], "t_pad": None if step.plan is None else step.plan.t_pad,
+                         "force_eager": dispatched[-1], "starts": starts}
+        runner.pcp_step = None  # what execute_model's finally does
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_and_unsplit_steps_through_the_runner(world_size):
+    ranks = run_distributed(_steps, world_size)
+    for rank, results in enumerate(ranks):
+        split, with_logprobs, unsplit = (results[k] for k in ("split", "split_prompt_logprobs", "unsplit"))
+        # one plan, taken once: the two prompts split, the decode rows not; graphs skipped only then
+        assert split["split"] == [False, False, True, True] and unsplit["split"] is None
+        assert split["force_eager"] and with_logprobs["force_eager"] and not unsplit["force_eager"]
+        # each rank ran the model on its slice (t_pad rows) with the step's context; unsplit: every row
+        assert split["seen"] == (split["t_pad"], True) and split["t_pad"] < 3000
+        assert unsplit["seen"] == (4 + 4, False)
+        # the rows vLLM samples from are the whole batch's, from their primary copies, on every rank
+        rows = split["rows"]
+        assert torch.equal(split["hidden"][rows], split["expected"][rows]), rank
+        others = torch.ones(split["hidden"].shape[0], dtype=torch.bool)
+        others[rows] = False
+        assert not split["hidden"][others].any()  # the rows vLLM does not read stay zero
+        # with prompt logprobs every row is the whole batch's (padding zero)
+        n = split["expected"].shape[0] - 4
+        assert torch.equal(with_logprobs["hidden"][:n], with_logprobs["expected"][:n]), rank
+        assert not with_logprobs["hidden"][n:].any()
+        # unsplit steps: the sampled rows are rank 0's on every rank (the others keep their own)
+        rows = unsplit["rows"]
+        assert torch.equal(unsplit["hidden"][rows], unsplit["expected"][rows]), rank
+        assert torch.equal(unsplit["hidden"][4:], unsplit["expected"][4:] + rank)
