@@ -22,12 +22,20 @@ The model of one prefill step of T new tokens (Qwen3.6-35B-A3B shape, eager, bf1
   work in "other" that does not divide (the shares are applied to a 40-layer profile whose fixed
   per-step part is 8/40 of the profiled model's). Sharded experts: 1/N of pcp=1's MoE time (not
   profiled split: their collectives through host memory make the shared-GPU engine too slow there).
-- **Collectives**, bytes from the plan and the model: per attention layer the new K/V all-gather; per
-  GDN layer the conv-halo all-gather and, relay, 2N-1 serial end-state hand-offs (fp32 [heads, K, V]) or,
-  state passing, one all-gather of the [V+K, K] fp32 summaries; with sharded experts an all-gather and
-  a reduce-scatter of the hidden rows per MoE layer; at tp=2 two all-reduces per layer; the final
-  all-gather of the rows vLLM samples from (the earlier code: of every hidden row). Time = latency +
-  bytes moved per GPU / bandwidth (constants below).
+- **Collectives**: the calls a split step's layers issue through ``PCPContext``, from the step's plan
+  (``step_traffic``, checked call for call against what the layers issue on gloo ranks by
+  ``test_step_traffic.py``): per attention layer the new K/V all-gather; per GDN layer the conv-halo
+  all-gather, the replicated requests' states from rank 0 and, relay, each run's end state sent to
+  the next run's owner (2N-2 hand-offs in series) and the final states broadcast by the last owner,
+  or, state passing, one all-gather of the summaries; the final all-gather of the rows vLLM samples
+  from. vLLM's own: with sharded experts an all-gather and a reduce-scatter of the hidden rows per MoE
+  layer; at tp=2 two all-reduces per layer. Time = latency + bytes each GPU receives / bandwidth: a
+  ring all-gather or broadcast receives (N-1)/N x N and 1 x its payload; its latency is NCCL's ring LL
+  base latency plus a step per further rank, a send/recv's NCCL's point-to-point latency (constants
+  and sources below).
+- **The host's floor**: a step never takes less than the host takes to launch its kernels, pcp=1's
+  measured eager steps of 256 to 4096 tokens (``SHORT_STEPS``: about 160 ms, the same from 256 to
+  8192 tokens), and a rank of a split step launches as many kernels as an unsplit one.
 - **Host time**: TTFT - GPU busy time at pcp=1 (measured). Of it, the first token's detokenization
   from the whole prompt (``bench_detokenizer.py``, measured at 32k, 128k and 1M tokens) is once per
   request, and at pcp > 1 the prompt's tail replaces it (under a millisecond, left out); the rest,
@@ -44,8 +52,10 @@ runs ceil(T/B) steps; step i attends B queries to i*B + B keys.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +63,10 @@ from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the repo: benchmarks/
+from benchmarks import step_traffic  # noqa: E402
 from benchmarks.plot import log2_axes, save_figure  # noqa: E402
+from qwen36_pcp.config import PCPConfig  # noqa: E402
+from qwen36_pcp.plan import PCPPlan  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 PROFILES = RESULTS / "profile_prefill_pcp1_h200_2026-12-01"
@@ -62,12 +75,25 @@ SPLIT_SHARES = SPLIT_PROFILES / "shares.json"  # per length: what the model read
 SHARE_FIELDS = ("kinds_ms", "critical_ms", "critical_paired")
 TTFT_2X = RESULTS / "ttft_2xh200_2026-11-29" / "bench_ttft.json"
 DETOKENIZER = RESULTS / "output_rows_1xh200_2026-12-02" / "bench_detokenizer.json"
+SHORT_STEPS = RESULTS / "short_steps_1xh200_2026-12-02" / "bench_ttft.json"  # pcp=1, 256 to 32k tokens
 
 # NVLink 4 on H200 SXM: 900 GB/s per GPU, both directions together (NVIDIA H200 datasheet), so 450 GB/s
-# each way; NCCL reaches about 80% of it on large messages (assumed). Latency per collective: assumed
-# 20 us (NCCL's small-message all-gather on NVLink is of that order).
+# each way; NCCL reaches about 80% of it on large messages (assumed).
 NVLINK_BYTES_PER_S = 0.8 * 450e9
-COLLECTIVE_LATENCY_S = 20e-6
+# Latency of a small collective over NVLink, from NCCL's own cost model (src/graph/tuning.cc, quoted in
+# github.com/NVIDIA/nccl/issues/1334): ring with the LL protocol, 6.6 us base + 0.6 us per NVLink step,
+# N-1 steps for an all-gather or a broadcast among N ranks (a measured ring all-reduce of 8 bytes, 2(N-1)
+# steps, took 10 us on 2 and 33.7 us on 8 A100s: github.com/NVIDIA/nccl-tests/issues/123). A send/recv
+# pair: 3 us (nccl-tests on two H100s over NVLink, github.com/NVIDIA/nccl/issues/1487).
+RING_BASE_LATENCY_S, NVLINK_STEP_LATENCY_S = 6.6e-6, 0.6e-6
+P2P_LATENCY_S = 3e-6
+
+
+def collective_latency_s(n: int) -> float:
+    return RING_BASE_LATENCY_S + (n - 1) * NVLINK_STEP_LATENCY_S
+
+
+COLLECTIVE_LATENCY_S = collective_latency_s(2)  # what bench_output_rows prices a pcp=2 gather with
 # Between nodes (PCP across H200 HGX nodes, one ConnectX-7 NDR NIC per GPU): 400 Gb/s = 50 GB/s each
 # way per GPU (NVIDIA ConnectX-7 datasheet), 80% of it reached (assumed, as for NVLink); latency per
 # collective: assumed 30 us (NCCL's small-message all-gather over InfiniBand is tens of us).
@@ -82,6 +108,7 @@ BF16, FP32 = 2, 4
 RELAY_SERIAL_SHARE = 0.19  # chunk_gated_delta_rule_fwd_kernel_h / all GDN kernels, pcp=1 (both lengths)
 
 LENGTHS = (32768, 131072, 1048576)
+GDN_MODE_LENGTHS = (8192, 32768, 131072, 524288, 1048576)
 BUDGETS = {"one step": None, "budget 8192 (vllm serve)": 8192, "budget 16384 (LLM)": 16384}
 SPLIT_CONFIGS = {"relay": "pcp2", "state_passing": "pcp2_state_passing"}  # in SPLIT_PROFILES
 
@@ -122,6 +149,25 @@ def load(path: Path):
     return json.loads(path.read_text())
 
 
+def splits(q: int, n: int) -> bool:
+    """Whether a step of q new tokens (one request) is split at pcp=n with the default options."""
+    return PCPConfig().step_splits([q], n)
+
+
+@functools.lru_cache(maxsize=4096)
+def split_plan(q: int, cached: int, n: int) -> PCPPlan:
+    """The plan of a step of q new tokens of one request after ``cached`` (the defaults' zigzag)."""
+    return PCPPlan([cached], [q], n, 0, PCPConfig(min_split_tokens=1))
+
+
+def layer_shape(tp: int) -> step_traffic.LayerShape:
+    """Qwen3.6-35B-A3B's layers per TP rank (vLLM replicates the 2 KV heads beyond tp = 2)."""
+    return step_traffic.LayerShape(
+        kv_heads=max(1, KV_HEADS // tp), head_dim=HEAD_DIM, gdn_k_heads=GDN_K_HEADS // tp,
+        gdn_v_heads=GDN_V_HEADS // tp, gdn_head_k=GDN_HEAD_DIM, gdn_head_v=GDN_HEAD_DIM,
+        conv_width=CONV_KERNEL, hidden=HIDDEN)
+
+
 class StepModel:
     """Per-kind GPU time fits at pcp=1 and a pcp=2 rank's measured shares; ``step(q, cached, config)``
     in s."""
@@ -148,6 +194,11 @@ class StepModel:
                 for t, p in prof.items()}
         a = (host[t2] - host[t1]) / (t2 - t1)
         self.host = (a, host[t1] - a * t1)
+        # a step is never shorter than the host takes to launch its kernels: pcp=1's measured steps of
+        # 256 to 4096 tokens (less the first token's detokenization) lie within 10% of their median
+        short = {int(t): v - self.whole_prompt_detokenize_s(int(t))
+                 for t, v in load(SHORT_STEPS)["pcp1"].items() if t.isdigit()}
+        self.floor = statistics.median(v for t, v in short.items() if t <= 4096)
         # pcp=2 per rank relative to pcp=1, per kind, mode and length: the split profiles (8 layers,
         # whole experts, each rank's kernels alone on one H200, pcp=1 in the same run)
         self.split = {mode: {} for mode in SPLIT_CONFIGS}
@@ -188,53 +239,65 @@ class StepModel:
             return a * rows + b * 2 * (causal_pairs if causal_pairs is not None else rows * rows / 2)
         return a * rows + c
 
-    def collectives(self, cfg: Config, q: int) -> list[tuple[str, int, float]]:
-        """(name, count, bytes each GPU moves per call) of one step with q new tokens (one request)."""
+    @staticmethod
+    def collectives(cfg: Config, q: int, cached: int = 0, split: bool | None = None) -> list[tuple[str, int, int, int]]:
+        """(name, calls, bytes each GPU receives per call, latency kind) of one step of q new tokens
+        after ``cached`` (one request); latency kind: the ranks in a ring collective, or 0 for a
+        send/recv (one hand-off of the relay's chain, which the step waits for in turn). ``split``:
+        whether the step splits (default: as the default options decide)."""
         n, tp, mode, experts, every_row, _ = cfg
         out = []
-        if tp > 1:  # over each rank's q/n rows
-            out.append(("tp all-reduce", 2 * LAYERS, 2 * (tp - 1) / tp * q / n * HIDDEN * BF16))
-        if n == 1:
+        if tp > 1:  # over each rank's q/n rows; a ring all-reduce receives 2(tp-1)/tp of its input
+            out.append(("tp all-reduce", 2 * LAYERS, int(2 * (tp - 1) / tp * q / n * HIDDEN * BF16), tp))
+        if experts == "sharded":  # every step, split or not
+            out.append(("MoE all-gather + reduce-scatter", 2 * MOE_LAYERS, int((n - 1) / n * q * HIDDEN * BF16), n))
+        if not (splits(q, n) if split is None else split and n > 1):
             return out
-        share = (n - 1) / n
-        kv_heads = max(1.0, KV_HEADS / tp)  # vLLM replicates the KV heads beyond tp = KV_HEADS
-        out.append(("attention K/V all-gather", ATTN_LAYERS, share * q * 2 * kv_heads * HEAD_DIM * BF16))
-        conv_dim = (2 * GDN_K_HEADS + GDN_V_HEADS) * GDN_HEAD_DIM // tp
-        out.append(("GDN conv halo all-gather", GDN_LAYERS, n * (CONV_KERNEL - 1) * conv_dim * BF16))
-        state = GDN_V_HEADS // tp * GDN_HEAD_DIM * GDN_HEAD_DIM * FP32
-        if mode == "relay":
-            out.append(("GDN relay hand-off (serial)", GDN_LAYERS * (2 * n - 1), state))
+        plan, shape = split_plan(q, cached, n), layer_shape(tp)
+
+        def priced(name, count, calls):
+            for kind, nbytes, _ in calls:
+                if kind in ("all_gather", "broadcast"):  # group-wide, the same on every rank
+                    out.append((f"{name} {kind}", count, nbytes * (n - 1 if kind == "all_gather" else 1), n))
+
+        priced("attention K/V", ATTN_LAYERS, step_traffic.attention(plan, shape))
+        priced("GDN", GDN_LAYERS, step_traffic.gdn(plan, shape, mode, 0))
+        if mode == "relay":  # every rank's sends, one after another along the chain
+            sends = [c for r in range(n) for c in step_traffic.gdn(plan, shape, mode, r) if c[0] == "send"]
+            out.append(("GDN relay hand-off (serial)", GDN_LAYERS * len(sends), sends[0][1], 0))
+        if every_row:  # the earlier code: every hidden row after a split step
+            out.append(("final hidden-row all-gather", 1, (n - 1) * plan.t_pad * HIDDEN * BF16, n))
         else:
-            summary = GDN_V_HEADS // tp * (GDN_HEAD_DIM + GDN_HEAD_DIM) * GDN_HEAD_DIM * FP32
-            out.append(("GDN state-passing summaries", GDN_LAYERS, share * n * summary))
-        if experts == "sharded":
-            out.append(("MoE all-gather + reduce-scatter", 2 * MOE_LAYERS, share * q * HIDDEN * BF16))
-        out.append(("final hidden-row all-gather", 1, share * n * (q / n if every_row else 1) * HIDDEN * BF16))
+            priced("final sampled-row", 1, step_traffic.output(plan, shape, all_rows=False))
         return out
 
-    def step(self, cfg: Config, q: int, cached: int, nodes: int = 1) -> dict:
+    def step(self, cfg: Config, q: int, cached: int, nodes: int = 1, split: bool | None = None) -> dict:
         """Seconds of one step: q new tokens after ``cached`` tokens of the same request; with
         ``nodes`` > 1 the PCP collectives cross the network (TP's stay inside a node)."""
         n, tp, mode, experts, _, _ = cfg
         pairs = q * cached + q * q / 2
         gpu = {"attention": self.kind_s("attention", q, pairs), "gdn": self.kind_s("gdn", q),
                "moe": self.kind_s("moe", q), "gemm": self.kind_s("gemm", q), "other": self.kind_s("other", q)}
-        if n > 1:
+        split = splits(q, n) if split is None else split and n > 1
+        if split:
             f = self.factors(mode, q)
             gpu = {k: v * self._critical_share(k, f, mode, n) * f["imbalance"] for k, v in gpu.items()}
-            if experts == "sharded":  # 1/N of the experts on every row (not profiled split)
-                gpu["moe"] = self.kind_s("moe", q) / n
+        if n > 1 and experts == "sharded":  # 1/N of the experts on every row (not profiled split)
+            gpu["moe"] = self.kind_s("moe", q) / n
         if tp > 1:
             gpu = {k: v / tp if k != "other" else v for k, v in gpu.items()}
-        def seconds(name, count, nbytes):
-            across = nodes > 1 and name != "tp all-reduce"
-            latency, rate = (IB_LATENCY_S, IB_BYTES_PER_S) if across else (COLLECTIVE_LATENCY_S, NVLINK_BYTES_PER_S)
-            return count * (latency + nbytes / rate)
+        def seconds(name, count, nbytes, ranks):
+            if nodes > 1 and name != "tp all-reduce":
+                return count * (IB_LATENCY_S + nbytes / IB_BYTES_PER_S)
+            latency = P2P_LATENCY_S if ranks == 0 else collective_latency_s(ranks)
+            return count * (latency + nbytes / NVLINK_BYTES_PER_S)
 
-        comm = sum(seconds(*c) for c in self.collectives(cfg, q))
+        comm = sum(seconds(*c) for c in self.collectives(cfg, q, cached, split))
         a, c = self.host
         host = a * q + c
-        return {**gpu, "communication": comm, "host": host, "total": sum(gpu.values()) + comm + host}
+        # a rank of a split step launches as many kernels as an unsplit step: the same floor
+        return {**gpu, "communication": comm, "host": host,
+                "total": max(self.floor, sum(gpu.values()) + comm + host)}
 
     def whole_prompt_detokenize_s(self, tokens: int) -> float:
         """vLLM's first-token detokenization of a prompt: the measurements, linear between them and
@@ -315,16 +378,50 @@ def multi_node(model: StepModel) -> None:
                                             for t in MULTI_NODE_LENGTHS))
 
 
-def faster_gdn_mode(model: StepModel) -> None:
-    """Which GDN mode the model predicts faster, per N and length (one step): a default chosen per N
-    would follow it only by more than the validation error, since relay keeps pcp=1's bits."""
-    print("\nfaster GDN mode (one step), predicted: relay / state passing TTFT")
+def faster_gdn_mode(model: StepModel, error: float) -> None:
+    """Which GDN mode the model predicts faster, per N and length (one step). The relay keeps pcp=1's
+    bits, so a default per N leaves it only where state passing is faster by more than the model's
+    validation error (which holds for N = 2; beyond, the model leaves out state passing's fold)."""
+    print(f"\nfaster GDN mode (one step), predicted: relay / state passing TTFT; a default leaves the relay "
+          f"where state passing is faster by more than {error:.1%}")
     for n in (2, 4, 8):
-        cells = []
-        for t in LENGTHS:
+        cells, beyond = [], []
+        for t in GDN_MODE_LENGTHS:
             relay, sp = (model.ttft(CONFIGS[f"pcp{n}{suffix}"], t) for suffix in ("", "_state_passing"))
             cells.append(f"{t // 1024}k: {'relay' if relay <= sp else 'state passing'} ({relay / sp:.2f})")
-        print(f"  pcp{n}: " + ", ".join(cells))
+            beyond.append(relay / sp - 1 > error)
+        default = "state passing" if all(beyond) else "relay"
+        print(f"  pcp{n}: " + ", ".join(cells) + f" -> default {default}")
+
+
+def break_even(model: StepModel, n: int, cached: int = 0) -> int | None:
+    """The fewest new tokens (multiples of 256 from the split floor up to 32k) whose step a split at
+    pcp=n makes faster than the unsplit step, after ``cached`` tokens of the same request; None: none.
+
+    Below about 8k new tokens an eager step of this model takes as long as the host takes to launch
+    its kernels (the floor: pcp=1's measured steps of 256 to 4096 tokens, ``SHORT_STEPS``), and a rank
+    of a split step launches as many: a split only adds its collectives until the GPU's work of the
+    unsplit step exceeds the floor. The split path's own extra host work is not in the model, so the
+    real break-even lies at or above this one.
+    """
+    cfg = CONFIGS.get(f"pcp{n}", Config(n, 1, "relay", "whole"))
+    floor = PCPConfig(min_split_tokens=1).split_threshold(n)
+    for tokens in range(-(-floor // 256) * 256, 32768 + 1, 256):
+        split = model.step(cfg, tokens, cached, split=True)["total"]
+        if split < model.step(CONFIGS["pcp1"], tokens, cached)["total"]:
+            return tokens
+    return None
+
+
+def short_prompts(model: StepModel) -> dict:
+    print(f"\nshort steps: the fewest new tokens a split step makes faster (predicted; the floor: pcp=1's "
+          f"measured eager steps of 256 to 4096 tokens, {model.floor * 1e3:.0f} ms)")
+    out = {}
+    for n in range(2, 9):
+        out[n] = {c: break_even(model, n, c) for c in (0, 32768, 131072)}
+        print(f"  pcp{n}: fresh prompt {out[n][0]}, a chunk after 32k cached {out[n][32768]}, after 128k "
+              f"{out[n][131072]} (min_split_tokens {PCPConfig().split_threshold(n)})")
+    return out
 
 
 def breakdown(model: StepModel, tokens: int = 131072) -> None:
@@ -376,8 +473,9 @@ def main():
     model = StepModel()
     worst = validate(model)
     tables(model)
-    faster_gdn_mode(model)
+    faster_gdn_mode(model, worst)
     breakdown(model)
+    short_prompts(model)
     multi_node(model)
     plot(model, str(out / "predict_ttft.png"))
     print(f"\nmax validation error: {worst:.1%}")

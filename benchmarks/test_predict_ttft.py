@@ -28,7 +28,7 @@ def test_pcp_collectives_cross_the_network_and_tp_stays_inside():
     assert across["communication"] > inside["communication"]  # the same bytes over InfiniBand
     assert across["total"] - across["communication"] == inside["total"] - inside["communication"]
     # tp's all-reduce covers each rank's rows, a PCP rank's half of the step
-    rows = {name: b for name, _, b in model.collectives(cfg, 131072)}
+    rows = {name: b for name, _, b, _ in model.collectives(cfg, 131072)}
     assert rows["tp all-reduce"] == 2 * 7 / 8 * 65536 * 2048 * 2
     ttft = {name: model.ttft(c, 131072, None, n) for name, (c, n) in MULTI_NODE.items()}
     assert ttft["4 nodes, tp8 x pcp4, relay"] < ttft["2 nodes, tp8 x pcp2, relay"] < ttft["1 node, tp8"]
@@ -81,6 +81,6 @@ def test_host_time_split_keeps_pcp1_and_the_front_end_is_a_per_request_term():
         extra = model.ttft(whole, 131072, budget) - model.ttft(pcp2, 131072, budget)
         assert extra == pytest.approx(model.whole_prompt_detokenize_s(131072)) and extra > 0.05
     every = pcp2._replace(gather_every_row=True)
-    rows = {c: {name: b for name, _, b in model.collectives(c, 131072)} for c in (pcp2, every)}
+    rows = {c: {name: b for name, _, b, _ in model.collectives(c, 131072)} for c in (pcp2, every)}
     assert rows[every]["final hidden-row all-gather"] == 65536 * 2048 * 2
-    assert rows[pcp2]["final hidden-row all-gather"] == 2048 * 2
+    assert rows[pcp2]["final sampled-row all_gather"] == 2048 * 2

@@ -38,7 +38,7 @@ def main():
         hf_overrides={"architectures": ["Qwen3_6ForCausalLM"]},
         prefill_context_parallel_size=args.pcp,
         max_model_len=args.prompt_tokens + 1024,
-        # options: additional_config={"qwen36_pcp": {"gdn_mode": "relay", "min_split_tokens": 512}}
+        # options: additional_config={"qwen36_pcp": {"gdn_mode": "relay", "min_split_tokens": 4096}}
         **args.llm_kwargs,
     )
     tokenizer = llm.get_tokenizer()

@@ -12,6 +12,10 @@ import logging
 import os
 import re
 
+import vllm.envs as envs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.utils.import_utils import resolve_obj_by_qualname
+
 from .config import (
     ARCHITECTURE,
     OPTIONS_KEY,
@@ -89,9 +93,7 @@ def worker_class_problems(vllm_config) -> list[str]:
     worker_cls = vllm_config.parallel_config.worker_cls
     if worker_cls == "auto" or worker_cls == PCP_WORKER_CLS:
         return []
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
-    from .worker import PCPWorker
+    from .worker import PCPWorker  # only here: it imports vLLM's GPU model runner, which a front end never needs
 
     try:
         cls = resolve_obj_by_qualname(worker_cls) if isinstance(worker_cls, str) else worker_cls
@@ -118,8 +120,6 @@ def ray_executor_without_pcp_ranks(vllm_config) -> bool:
         from vllm.v1.executor.ray_executor import RayDistributedExecutor
 
         return issubclass(backend, RayDistributedExecutor)
-    import vllm.envs as envs
-
     return backend == "ray" and not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND
 
 
@@ -387,8 +387,6 @@ def cli_no_gpu_message(argv: list[str], device_type: str, options: bool = False)
     read with vLLM's own argument rules (dashes or underscores, ``--model``, ``--config`` files, dotted
     JSON keys); None if it does not ask for our model at pcp > 1 or cannot be read. ``options``: a bad
     ``--additional-config`` gives its own message first (starting with ``OPTIONS_ERROR``)."""
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     class Reader(FlexibleArgumentParser):
         def parse_known_args(self, args=None, namespace=None):
             return super().parse_known_args(args, namespace)[0], []  # the rest is vLLM's to judge

@@ -27,7 +27,11 @@ class PCPConfig:
 
     layout: str = "zigzag"
     gdn_mode: str = "relay"
-    min_split_tokens: int = 512
+    # below a few thousand new tokens a step is bound by the host launching its kernels, which a split
+    # does not shorten: the step-time model puts the break-even of a fresh prompt at about 8k tokens
+    # for every pcp (eager), of a chunk deep in a long prompt at 3k-6k; 4096 keeps vLLM's 8192-token
+    # serve chunks split beside decode rows (docs/performance.md)
+    min_split_tokens: int = 4096
     moe_experts: str = "replicated"
 
     def __post_init__(self):

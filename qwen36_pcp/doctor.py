@@ -10,7 +10,6 @@ generation) inform and do not fail.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 from . import SUPPORTED_VLLM_VERSION, vllm_version
-from .config import ARCHITECTURE, PCPConfig
+from .config import ARCHITECTURE, PCPConfig, below_split_floor, misspelled_option_keys
 
 OK, NOTE, PROBLEM = "ok", "note", "PROBLEM"
 SHARDED = '--additional-config \'{"qwen36_pcp": {"moe_experts": "sharded"}}\''
@@ -127,12 +126,9 @@ def check_options(text: str | None) -> tuple[list[Check], PCPConfig | None]:
     if not isinstance(additional, dict):
         return [Check(PROBLEM, "--additional-config must be a JSON object",
                       'pass --additional-config \'{"qwen36_pcp": {...}}\'')], None
-    checks: list[Check] = []
-    for key in additional:
-        if key != "qwen36_pcp" and difflib.get_close_matches(key.lower(), ["qwen36_pcp"], cutoff=0.75):
-            checks.append(Check(PROBLEM, f"additional_config key {key!r} looks like a misspelling of "
-                                         "'qwen36_pcp'; vLLM ignores unknown keys, so these options would "
-                                         "not be used", f"rename {key!r} to 'qwen36_pcp'"))
+    checks = [Check(PROBLEM, f"additional_config key {key!r} looks like a misspelling of 'qwen36_pcp'; vLLM "
+                             "ignores unknown keys, so these options would not be used",
+                    f"rename {key!r} to 'qwen36_pcp'") for key in misspelled_option_keys(additional)]
     options = additional.get("qwen36_pcp")
     if options is not None and not isinstance(options, dict):
         return checks + [Check(PROBLEM, f"additional_config['qwen36_pcp'] must be a JSON object, got "
@@ -249,6 +245,9 @@ def run(model: str | None, tp: int = 1, pcp: int = 2, additional_config: str | N
     else:
         checks += check_gpus(gpus, tp, pcp)
     checks += option_checks
+    note = below_split_floor(options, pcp) if options is not None else None
+    if note is not None:
+        checks.append(Check(NOTE, note.removeprefix("qwen36_pcp: ")))
     if model is None:
         checks.append(Check(NOTE, "model checks skipped: no MODEL given (a checkpoint folder or a preset)"))
     else:

@@ -25,9 +25,9 @@ MODES = ("relay", "state_passing", "island")
 
 
 def sweep_configs() -> list[PCPConfig]:
-    """The smallest split threshold of each layout (``min_split_tokens=1``), and the defaults."""
+    """The smallest split threshold of each layout (``min_split_tokens=1``), and one above the floor."""
     return [PCPConfig(layout="zigzag", min_split_tokens=1),
-            PCPConfig(layout="contiguous", min_split_tokens=1), PCPConfig()]
+            PCPConfig(layout="contiguous", min_split_tokens=1), PCPConfig(min_split_tokens=512)]
 
 
 def sweep_batches(world_size: int, config: PCPConfig) -> list[tuple[list[int], list[int]]]:

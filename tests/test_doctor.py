@@ -146,7 +146,7 @@ def test_other_vllm_keys_are_not_misspellings(capsys, monkeypatch):
     config = {"gdn_prefill_backend": "triton", "qwen36_pcp": {"moe_experts": "sharded"}}
     rc, lines = run(capsys, "--additional-config", json.dumps(config))
     assert rc == 0, lines
-    assert "ok      options: PCPConfig(layout='zigzag', gdn_mode='relay', min_split_tokens=512, " \
+    assert "ok      options: PCPConfig(layout='zigzag', gdn_mode='relay', min_split_tokens=4096, " \
            "moe_experts='sharded')" in lines
 
 

@@ -154,7 +154,7 @@ def _exchange_worker(rank, group):
     from qwen36_pcp.layers.gdn_cp import _fold_split_states
 
     HV, V, K = 32, 128, 128
-    plan = PCPPlan([0], [1024], 2, rank, PCPConfig())
+    plan = PCPPlan([0], [1024], 2, rank, PCPConfig(min_split_tokens=512))
     ctx = PCPContext(plan, group, "cpu")
     T = plan.num_local_tokens
     final = torch.randn(len(plan.local_segments), HV, V + K, K) * 0.01

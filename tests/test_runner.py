@@ -64,7 +64,7 @@ def _steps(rank, group):
 
     seen = []
     runner = object.__new__(PCPModelRunner)  # the runner's state, without vLLM's GPU buffers
-    runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(), group, None
+    runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(min_split_tokens=512), group, None
     runner.model = _model(rank, seen)
     results = {}
     # decodes first (vLLM's order), a continuing prompt, a fresh one; 4 rows of padding

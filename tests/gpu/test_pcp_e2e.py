@@ -53,11 +53,16 @@ PROMPT_LOGPROBS_LENGTHS = (12000, 3)  # one step: the first split at every pcp, 
 REPORT = {}
 
 
+# the cases split prompts from 520 tokens up (the split machinery at its smallest), below the default
+# min_split_tokens, which leaves prompts that short unsplit
+SPLIT_FROM = {"min_split_tokens": 512}
+
+
 def _parallel(layout):
     tp, pcp, options = LAYOUTS[layout]
     kw = dict(tensor_parallel_size=tp, prefill_context_parallel_size=pcp)
-    if options:
-        kw["additional_config"] = {"qwen36_pcp": options}
+    if pcp > 1:
+        kw["additional_config"] = {"qwen36_pcp": {**SPLIT_FROM, **options}}
     return kw, tp * pcp
 
 
