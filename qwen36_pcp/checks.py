@@ -89,7 +89,8 @@ def validate_pcp_config(vllm_config) -> None:
 
 
 def worker_class_problems(vllm_config) -> list[str]:
-    """A worker class of the user's own must build on the PCP worker (it carries the PCP model runner)."""
+    """A worker class of the user's own must build on the PCP worker (it carries the PCP model runner);
+    the model checks it again where it is built (``config.pcp_runner_builds_model``)."""
     worker_cls = vllm_config.parallel_config.worker_cls
     if worker_cls == "auto" or worker_cls == PCP_WORKER_CLS:
         return []
@@ -97,8 +98,11 @@ def worker_class_problems(vllm_config) -> list[str]:
 
     try:
         cls = resolve_obj_by_qualname(worker_cls) if isinstance(worker_cls, str) else worker_cls
-    except Exception as e:  # noqa: BLE001 - reported as the problem
-        return [f"worker_cls={worker_cls!r}, which could not be imported ({type(e).__name__}: {e})"]
+    except Exception as e:  # noqa: BLE001 - it may exist only where the workers run
+        logger.warning("qwen36_pcp: worker_cls=%r cannot be imported here (%s: %s); the workers check that "
+                       "it builds on %s when they build the model", worker_cls, type(e).__name__, e,
+                       PCP_WORKER_CLS)
+        return []
     if isinstance(cls, type) and issubclass(cls, PCPWorker):
         return []
     return [f"worker_cls={worker_cls!r}, which is not built on {PCP_WORKER_CLS} (the worker that runs "

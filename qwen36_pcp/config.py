@@ -6,6 +6,8 @@ all read it without importing each other.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 from dataclasses import dataclass
@@ -122,3 +124,22 @@ def uses_pcp(vllm_config) -> bool:
 
 def pcp_config_of(vllm_config) -> PCPConfig:
     return PCPConfig.from_additional_config(vllm_config.additional_config)
+
+
+# Set while the PCP model runner builds the model (``runner.PCPModelRunner.load_model``): our model at
+# pcp > 1 refuses to be built by any other runner, whose block tables would give other ranks' tokens
+# the pad slot while the engine core accounts the cache as whole on every rank.
+_built_by_pcp_runner: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen36_pcp_runner", default=False)
+
+
+@contextlib.contextmanager
+def pcp_runner_builds_model():
+    token = _built_by_pcp_runner.set(True)
+    try:
+        yield
+    finally:
+        _built_by_pcp_runner.reset(token)
+
+
+def built_by_pcp_runner() -> bool:
+    return _built_by_pcp_runner.get()

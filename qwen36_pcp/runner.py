@@ -27,7 +27,7 @@ from vllm.distributed import get_pcp_group
 from vllm.forward_context import get_forward_context
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from .config import PCPConfig, pcp_config_of
+from .config import PCPConfig, pcp_config_of, pcp_runner_builds_model
 from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .plan import PCPPlan
@@ -37,7 +37,8 @@ from .plan import PCPPlan
 def pcp1_block_tables():
     """Block tables built while this runs have pcp == 1's rows: vLLM sizes a request's block-table row
     for 1/pcp of ``max_model_len`` (``get_total_cp_world_size``, read in the block-table and runner
-    modules); a replicated cache needs the whole sequence's blocks. Reverts when the block ends."""
+    modules); a replicated cache needs the whole sequence's blocks. Reverts when the block ends (a
+    worker process builds its runner on one thread)."""
     originals = {m: m.get_total_cp_world_size for m in (block_table_module, gpu_model_runner_module)}
     pcp = get_pcp_group().world_size
 
@@ -58,7 +59,7 @@ class PCPStep:
     """What the runner decided for this step, once, after ``_prepare_inputs``."""
 
     plan: PCPPlan | None  # None: an unsplit step
-    sample_rows: torch.Tensor  # the rows vLLM samples from (``logits_indices``)
+    logits_indices: torch.Tensor  # the rows vLLM samples from
 
 
 class PCPModelRunner(GPUModelRunner):
@@ -87,7 +88,7 @@ class PCPModelRunner(GPUModelRunner):
     # ------------------------------------------------------------------------- the step
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self.pcp_step = PCPStep(self._plan(num_scheduled_tokens), logits_indices.long())
+        self.pcp_step = PCPStep(self._plan(num_scheduled_tokens), logits_indices)
         return logits_indices, spec_decode_metadata
 
     def _plan(self, num_new: np.ndarray) -> PCPPlan | None:
@@ -120,7 +121,7 @@ class PCPModelRunner(GPUModelRunner):
         if step.plan is None:
             hidden = super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
                                             **model_kwargs)
-            return rank0_rows(self.pcp_group, hidden, step.sample_rows)
+            return rank0_rows(self.pcp_group, hidden, step.logits_indices.long())
         full = input_ids if input_ids is not None else inputs_embeds
         ctx = PCPContext(step.plan, self.pcp_group, full.device, num_tokens_padded=full.shape[0])
         idx = ctx.t.local_idx
@@ -141,14 +142,37 @@ class PCPModelRunner(GPUModelRunner):
         # and pooling, which read more, are refused at startup)
         return ctx.gather_output(hidden, all_rows=bool(self.num_prompt_logprobs))
 
-    # ------------------------------------------------------------------------ profiling
+    # ------------------------------------------------------------------- model, profiling
+    def load_model(self, *args, **kwargs) -> None:
+        with pcp_runner_builds_model():
+            super().load_model(*args, **kwargs)
+
     def profile_run(self) -> None:
         super().profile_run()
+        self._warm_pcp_collectives()
         if self.pcp_config.gdn_mode == "state_passing":
             layer = next((m for m in self.model.modules() if isinstance(m, PCPGatedDeltaNetAttention)), None)
             if layer is not None:  # its kernels are shared by every GDN layer of the model
                 layer.warm_augmented_scan(self.device, self.dtype)
                 torch.accelerator.empty_cache()
+
+
+    def _warm_pcp_collectives(self) -> None:
+        """Every kind of call a split step makes on the PCP group, once, while vLLM profiles memory:
+        the communicators (NCCL's, and vLLM's point-to-point connections between each pair of
+        consecutive run owners) are set up here, their buffers inside the profile and their setup time
+        outside the first request's."""
+        group, world = self.pcp_group, self.pcp_group.world_size
+        rank = group.rank_in_group
+        x = torch.zeros(1, device=self.device)
+        group.all_gather(x, dim=0)
+        group.broadcast(x, 0)
+        chain = PCPPlan([0], [self.pcp_config.split_threshold(world)], world, rank, self.pcp_config).summary_runs
+        for (src, _, _), (dst, _, _) in zip(chain, chain[1:]):
+            if rank == src:
+                group.send(x, dst)
+            elif rank == dst:
+                group.recv(x.shape, x.dtype, src)
 
 
 def rank0_rows(group, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -51,10 +51,16 @@ def engine_config(model: str, **kwargs):
     return EngineArgs(model=model, **kwargs).create_engine_config()
 
 
-def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 1, tp: int = 1):
+def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 1, tp: int = 1,
+                as_pcp_runner: bool = True):
     """Construct the configured model class on the CPU (gloo). ``pcp_ranks`` x ``tp`` > 1: this process
     is global rank ``rank`` of a real world of that many processes, laid out by vLLM's
-    ``initialize_model_parallel`` (PCP x TP, TP fastest; each process calls this with the same port)."""
+    ``initialize_model_parallel`` (PCP x TP, TP fastest; each process calls this with the same port).
+    ``as_pcp_runner``: as the PCP model runner builds it (our model at pcp > 1 needs that)."""
+    import contextlib
+
+    from qwen36_pcp.config import pcp_runner_builds_model
+
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
@@ -69,7 +75,8 @@ def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 
         if not model_parallel_is_initialized():  # a second model in the process joins the same world
             init_distributed_environment(tp * pcp_ranks, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
             initialize_model_parallel(tp, 1, prefill_context_model_parallel_size=pcp_ranks, backend="gloo")
-        return model_cls(vllm_config=vllm_config, prefix="")
+        with pcp_runner_builds_model() if as_pcp_runner else contextlib.nullcontext():
+            return model_cls(vllm_config=vllm_config, prefix="")
 
 
 def free_port() -> int:

@@ -65,7 +65,8 @@ def _steps(rank, group):
     seen = []
     runner = object.__new__(PCPModelRunner)  # the runner's state, without vLLM's GPU buffers
     runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(min_split_tokens=512), group, None
-    runner.model = _model(rank, seen)
+    runner.model, runner.device = _model(rank, seen), torch.device("cpu")
+    runner._warm_pcp_collectives()  # every rank in chain order: returns (no rank waits for ever)
     results = {}
     # decodes first (vLLM's order), a continuing prompt, a fresh one; 4 rows of padding
     for name, num_computed, num_new, logprobs in (

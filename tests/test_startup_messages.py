@@ -197,3 +197,36 @@ def test_nnodes_message_numbers():
     # pcp == 1, one node, or a split vLLM accepts: nothing to say
     for args in ((1, 1, 1, 1, 2), (1, 1, 1, 2, 1), (2, 1, 1, 2, 2), (1, 2, 1, 2, 2), (8, 1, 1, 2, 2)):
         assert nnodes_message(*args) is None, args
+
+
+def test_option_warnings_name_the_key_and_the_value_in_effect():
+    """What a user's options get before the engine starts: a misspelled ``qwen36_pcp`` key is named
+    (vLLM passes additional_config on unread), a ``min_split_tokens`` under the split floor comes with
+    the value in effect, a bad option is the error; vLLM's own keys and good options say nothing."""
+    import logging
+
+    from qwen36_pcp.checks import logger, options_message
+
+    class Records(logging.Handler):  # vLLM's loggers do not propagate to pytest's capture
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    logger.addHandler(records)
+    try:
+        assert options_message({"qwen36pcp": {"gdn_mode": "island"}}, 2) is None
+        assert options_message('{"qwen36_pcp": {"min_split_tokens": 100}}', 8) is None  # JSON text too
+        quiet = len(records.messages)
+        assert options_message({"gdn_prefill_backend": "triton", "qwen36_pcp": {"layout": "contiguous"}}, 2) is None
+    finally:
+        logger.removeHandler(records)
+    messages = records.messages
+    assert "'qwen36pcp' is not 'qwen36_pcp'" in messages[0], messages
+    assert "min_split_tokens=100 is under the split floor" in messages[1] and "fewer than 1024 new tokens" in messages[1]
+    assert len(messages) == quiet  # nothing for vLLM's own keys and good options
+    assert "gdn_mode must be one of" in options_message({"qwen36_pcp": {"gdn_mode": "bogus"}}, 2)
+    assert "must be a JSON object" in options_message({"qwen36_pcp": ["relay"]}, 2)

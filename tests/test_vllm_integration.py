@@ -258,9 +258,32 @@ def _model(ckpt, pcp):
     }
 
 
+def _models(ckpt):
+    """Both models in one fresh process (one vLLM import), and our model at pcp=2 built by a runner
+    that is not the PCP one."""
+    from harness.dist import error_of
+    from tests.fake_cuda import build_model, engine_config
+
+    out = {pcp: _model(ckpt, pcp) for pcp in (1, 2)}
+    cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
+    out["other_runner"] = error_of(lambda: build_model(cfg, as_pcp_runner=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tiny_ckpt):
+    return run_isolated(_models, tiny_ckpt)
+
+
+def test_model_at_pcp_needs_the_pcp_runner(models):
+    """A worker whose runner is not the PCP one (its block tables would give other ranks' tokens the pad
+    slot) cannot build our model at pcp > 1."""
+    assert "must be built by the PCP model runner" in (models["other_runner"] or ""), models["other_runner"]
+
+
 @pytest.mark.parametrize("pcp", [1, 2])
-def test_model_builds_and_every_tensor_is_mapped_or_skipped(tiny_ckpt, pcp):
-    out = run_isolated(_model, tiny_ckpt, pcp)
+def test_model_builds_and_every_tensor_is_mapped_or_skipped(models, pcp):
+    out = models[pcp]
     assert out["loaded"] == out["params"], set(out["params"]) ^ set(out["loaded"])
     assert out["skipped"] > 0  # the vision tower and MTP head are in the checkpoint and skipped
     if pcp == 1:  # vLLM's own layers, untouched

@@ -25,7 +25,7 @@ from vllm.model_executor.models.qwen3_5 import (
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
 from ..checks import whole_experts_bytes
-from ..config import ARCHITECTURE, pcp_config_of
+from ..config import ARCHITECTURE, built_by_pcp_runner, pcp_config_of
 from ..layers.classes import adopt_pcp_attention, pcp_layer_classes, pcp_layer_replacements
 
 logger = init_logger(__name__)
@@ -39,6 +39,12 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         pcp = vllm_config.parallel_config.prefill_context_parallel_size > 1
+        if pcp and not built_by_pcp_runner():
+            raise RuntimeError(
+                f"qwen36_pcp: {ARCHITECTURE} at prefill_context_parallel_size > 1 must be built by the PCP "
+                f"model runner, which qwen36_pcp.worker.PCPWorker builds; this worker "
+                f"(worker_cls={vllm_config.parallel_config.worker_cls!r}) built another. Leave worker_cls "
+                "unset, or build your worker class on qwen36_pcp.worker.PCPWorker.")
         moe = bool(getattr(vllm_config.model_config.hf_text_config, "num_experts", 0))
         replacements = pcp_layer_replacements(pcp_config_of(vllm_config), moe) if pcp else {}
         with pcp_layer_classes(replacements):
