@@ -28,7 +28,7 @@ from .config import (
 
 logger = logging.getLogger("vllm.qwen36_pcp")  # under vLLM's logger, so that it shows in the engine's log
 
-PCP_WORKER_CLS = "qwen36_pcp.worker.PCPWorker"  # worker.WORKER_CLS, named here without importing vLLM's worker
+PCP_WORKER_CLS = "qwen36_pcp.worker.PCPWorker"  # named, not imported: the worker module imports vLLM's runner
 
 
 def validate_pcp_config(vllm_config) -> None:
@@ -374,23 +374,32 @@ def names_our_architecture(model, hf_overrides) -> bool:
 
 
 def cli_before_config_error(argv: list[str], device_type: str) -> Exception | None:
-    """For a command line such as ``vllm serve MODEL --hf-overrides ... -pcp 2`` on a machine where vLLM
-    fails before parsing it (no GPU): the plugin options' error, else ``no_gpu_message``; None if it
-    does not ask for our model at pcp > 1 or cannot be read."""
-    message = cli_no_gpu_message(argv, device_type, options=True)
-    if message is None:
+    """``before_config_error`` for a command line such as ``vllm serve MODEL --hf-overrides ... -pcp 2``
+    on a machine where vLLM fails before parsing it (no GPU): the plugin options' error, else
+    ``no_gpu_message``; None if it does not ask for our model at pcp > 1 or cannot be read."""
+    args = _read_command_line(argv)
+    if args is None:
         return None
-    return ValueError(message) if message.startswith(OPTIONS_ERROR) else RuntimeError(message)
+    if args.additional_config is not None:
+        message = options_message(args.additional_config, args.prefill_context_parallel_size)
+        if message is not None:
+            return ValueError(message)
+    message = no_gpu_message(args.prefill_context_parallel_size, args.tensor_parallel_size, device_type)
+    return None if message is None else RuntimeError(message)
 
 
-OPTIONS_ERROR = "qwen36_pcp: the options in additional_config"
+def cli_no_gpu_message(argv: list[str], device_type: str) -> str | None:
+    """``no_gpu_message`` for a command line, or None (see ``cli_before_config_error``)."""
+    args = _read_command_line(argv)
+    if args is None:
+        return None
+    return no_gpu_message(args.prefill_context_parallel_size, args.tensor_parallel_size, device_type)
 
 
-def cli_no_gpu_message(argv: list[str], device_type: str, options: bool = False) -> str | None:
-    """``no_gpu_message`` for a command line such as ``vllm serve MODEL --hf-overrides ... -pcp 2``,
-    read with vLLM's own argument rules (dashes or underscores, ``--model``, ``--config`` files, dotted
-    JSON keys); None if it does not ask for our model at pcp > 1 or cannot be read. ``options``: a bad
-    ``--additional-config`` gives its own message first (starting with ``OPTIONS_ERROR``)."""
+def _read_command_line(argv: list[str]):
+    """What a command line asks of our model, read with vLLM's own argument rules (dashes or
+    underscores, ``--model``, ``--config`` files, dotted JSON keys); None if it does not name our model
+    or cannot be read."""
     class Reader(FlexibleArgumentParser):
         def parse_known_args(self, args=None, namespace=None):
             return super().parse_known_args(args, namespace)[0], []  # the rest is vLLM's to judge
@@ -410,13 +419,7 @@ def cli_no_gpu_message(argv: list[str], device_type: str, options: bool = False)
         args = reader.parse_args(list(argv))
     except (Exception, SystemExit):  # noqa: BLE001 - unreadable: vLLM's own message stands
         return None
-    if not names_our_architecture(args.model or args.model_tag, args.hf_overrides):
-        return None
-    if options and args.additional_config is not None:
-        message = options_message(args.additional_config, args.prefill_context_parallel_size)
-        if message is not None:
-            return f"{OPTIONS_ERROR} are not valid: {message}"
-    return no_gpu_message(args.prefill_context_parallel_size, args.tensor_parallel_size, device_type)
+    return args if names_our_architecture(args.model or args.model_tag, args.hf_overrides) else None
 
 
 def wants_whole_experts(vllm_config) -> bool:

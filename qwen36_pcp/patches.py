@@ -73,9 +73,17 @@ class Patch:
         where = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
         return f"{where}.{self.name}"
 
-    def original(self) -> Callable:
+    def _current(self) -> tuple[Callable, bool]:
+        """The function at ``owner.name`` now, and whether it sits there as a static method."""
         current = inspect.getattr_static(self.owner, self.name)
-        func = current.__func__ if isinstance(current, staticmethod) else current
+        static = isinstance(current, staticmethod)
+        return (current.__func__ if static else current), static
+
+    def _set(self, func: Callable, static: bool) -> None:
+        setattr(self.owner, self.name, staticmethod(func) if static else func)
+
+    def original(self) -> Callable:
+        func, _ = self._current()
         return getattr(func, ORIGINAL, func)
 
     def check(self) -> None:
@@ -86,21 +94,19 @@ class Patch:
                 f"{self.params} (vLLM 0.20.2); not installing it ({self.why})")
 
     def install(self) -> None:
-        current = inspect.getattr_static(self.owner, self.name)
-        func = current.__func__ if isinstance(current, staticmethod) else current
+        func, static = self._current()
         if getattr(func, ORIGINAL, None) is not None:
             return  # installed already
         wrapper = self.make(func)
         wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = func.__name__, func.__qualname__, func.__doc__
         setattr(wrapper, ORIGINAL, func)
-        setattr(self.owner, self.name, staticmethod(wrapper) if isinstance(current, staticmethod) else wrapper)
+        self._set(wrapper, static)
 
     def uninstall(self) -> None:
-        current = inspect.getattr_static(self.owner, self.name)
-        func = current.__func__ if isinstance(current, staticmethod) else current
+        func, static = self._current()
         original = getattr(func, ORIGINAL, None)
         if original is not None:
-            setattr(self.owner, self.name, staticmethod(original) if isinstance(current, staticmethod) else original)
+            self._set(original, static)
 
 
 # ======================================================================= engine core: KV accounting

@@ -17,8 +17,6 @@ from .config import uses_pcp
 from .deterministic_gdn import race_free_gdn_kkt, race_free_gdn_kkt_wanted
 from .runner import PCPModelRunner
 
-WORKER_CLS = f"{__name__}.PCPWorker"
-
 
 @contextlib.contextmanager
 def model_runner_class(runner_cls: type):

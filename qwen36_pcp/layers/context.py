@@ -46,10 +46,6 @@ class Varlen:
         cu_cpu = torch.from_numpy(np.ascontiguousarray(bounds, dtype=np.int32))
         return cls(cu_cpu.to(device, non_blocking=True), cu_cpu)
 
-    @property
-    def num_seqs(self) -> int:
-        return int(self.cu_cpu.shape[0]) - 1
-
 
 @dataclass(frozen=True)
 class Collective:
