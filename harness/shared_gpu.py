@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import json
 import math
 import os
 
@@ -185,7 +186,26 @@ class SharedGPUWorker(PCPWorker):
 
     def sample_tokens(self, grammar_output):
         with Turns.turn():
-            return super().sample_tokens(grammar_output)
+            out = super().sample_tokens(grammar_output)
+        record_drafts(self)
+        return out
+
+
+DRAFTS_ENV = "QWEN36_PCP_RECORD_DRAFTS"
+
+
+def record_drafts(worker) -> None:
+    """With ``QWEN36_PCP_RECORD_DRAFTS=<file>``, rank 0 appends each step's speculative drafts (the
+    tokens every rank feeds into its next step) as a JSON line {request id: [draft ids]}: engines are
+    compared draft for draft, which the answers alone cannot show (a rejected draft leaves no trace)."""
+    path = os.environ.get(DRAFTS_ENV)
+    runner = worker.model_runner
+    drafts = getattr(runner, "_draft_token_ids", None)
+    if not path or worker.rank != 0 or not isinstance(drafts, torch.Tensor):
+        return
+    req_ids = runner.input_batch.req_ids[: drafts.shape[0]]
+    with open(path, "a") as f:
+        f.write(json.dumps(dict(zip(req_ids, drafts.tolist()))) + "\n")
 
 
 _host_staged = False

@@ -47,8 +47,7 @@ def validate_pcp_config(vllm_config) -> None:
         problems.append("pipeline parallel together with PCP")
     if pc.data_parallel_size > 1:
         problems.append("data parallel together with PCP")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding (MTP / draft models) together with PCP")
+    problems += speculative_problems(vllm_config)
     problems += worker_class_problems(vllm_config)
     if ray_executor_without_pcp_ranks(vllm_config):
         problems.append(
@@ -86,6 +85,28 @@ def validate_pcp_config(vllm_config) -> None:
             f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
             f"{ARCHITECTURE} does not support: " + "; ".join(problems) + "."
         )
+
+
+# vLLM's name for a drafter built from the checkpoint's own ``mtp.*`` head, and the draft architectures
+# that Qwen3.5 / Qwen3.6 checkpoints become (``SpeculativeConfig.hf_config_override``)
+MTP_METHOD = "mtp"
+MTP_DRAFTERS = ("Qwen3_5MoeMTP", "Qwen3_5MTP")
+
+
+def speculative_problems(vllm_config) -> list[str]:
+    """Speculative decoding at pcp > 1: the checkpoint's own MTP head only (``--speculative-config
+    '{"method": "mtp", ...}'``); the runner builds that drafter with whole experts and runs it on every
+    rank. Draft models, EAGLE, n-gram and the rest are not supported with PCP."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return []
+    draft = getattr(spec, "draft_model_config", None)
+    arch = list(getattr(getattr(draft, "hf_config", None), "architectures", None) or [])
+    if spec.method == MTP_METHOD and arch and arch[0] in MTP_DRAFTERS:
+        return []
+    return [f"speculative decoding method {spec.method!r} (draft {arch or None}) together with PCP: only the "
+            "checkpoint's own MTP head is supported, --speculative-config '{\"method\": \"mtp\", "
+            "\"num_speculative_tokens\": K}'"]
 
 
 def worker_class_problems(vllm_config) -> list[str]:
@@ -487,7 +508,8 @@ def _experts_left_unquantized(ignored: list[str], layer: int) -> bool:
 def whole_experts_bytes(vllm_config, tp_size: int = 1) -> int | None:
     """Bytes of every routed expert of every MoE layer on one GPU, stored as ``experts_storage`` says,
     with the experts' intermediate dimension split over ``tp_size`` ranks as vLLM shards it over TP
-    (scales counted per rank: ``Fp8MoEMethod.create_weights``' shapes). None: no estimate."""
+    (scales counted per rank: ``Fp8MoEMethod.create_weights``' shapes), the MTP drafter's layers too
+    when it is served (its experts are whole as well). None: no estimate."""
     mc = vllm_config.model_config
     storage = experts_storage(mc)
     if storage is None:
@@ -504,8 +526,11 @@ def whole_experts_bytes(vllm_config, tp_size: int = 1) -> int | None:
     plain = 3 * h * i * mc.dtype.itemsize
     mlp_only = set(getattr(t, "mlp_only_layers", None) or [])
     layers = [n for n in range(t.num_hidden_layers) if n not in mlp_only]
-    return t.num_experts * sum(plain if _experts_left_unquantized(ignored, n) else per_expert
-                               for n in layers)
+    spec = getattr(vllm_config, "speculative_config", None)  # the doctor passes a partial config
+    serves_mtp = spec is not None and spec.method == MTP_METHOD
+    mtp_layers = (getattr(t, "mtp_num_hidden_layers", 0) or 0) if serves_mtp else 0
+    return t.num_experts * (sum(plain if _experts_left_unquantized(ignored, n) else per_expert
+                                for n in layers) + mtp_layers * per_expert)
 
 
 def _memory_not_checked(detail: str) -> None:

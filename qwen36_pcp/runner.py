@@ -28,6 +28,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .config import PCPConfig, pcp_config_of, pcp_runner_builds_model
+from .layers.classes import adopt_pcp_attention, pcp_layer_classes, pcp_layer_replacements
 from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .plan import PCPPlan
@@ -92,12 +93,22 @@ class PCPModelRunner(GPUModelRunner):
         return logits_indices, spec_decode_metadata
 
     def _plan(self, num_new: np.ndarray) -> PCPPlan | None:
-        """The step's plan, or None when no request has enough new tokens to split."""
+        """The step's plan, or None when the step stays whole: no request has enough new tokens to
+        split, or (speculative decoding) a request is past its prompt.
+
+        With speculative decoding, a step with any row past its prompt (decode rows, the drafts'
+        verification rows) stays whole: the GDN layers keep those rows' states in a separate index
+        space with accepted-token offsets, and under async scheduling the host's ``num_computed_tokens`` of a decoding request
+        counts drafts not yet verified (vLLM corrects it on the GPU after the step is launched), so the
+        plan, made on the host, is exact only for prompt tokens."""
         world = self.pcp_group.world_size
         if not self.pcp_config.step_splits(num_new, world):
             return None
         num_reqs = len(num_new)
         num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        if self.speculative_config is not None and np.any(
+                num_computed + num_new > self.input_batch.num_prompt_tokens[:num_reqs]):
+            return None
         return PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config)
 
     def _determine_batch_execution_and_padding(self, *args, force_eager: bool = False, **kwargs):
@@ -137,15 +148,41 @@ class PCPModelRunner(GPUModelRunner):
             )
         finally:
             forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
-        # vLLM 0.20.2 reads every row only for prompt logprobs (``_get_prompt_logprobs_dict``);
-        # otherwise ``hidden_states[logits_indices]``, each request's last row (speculative decoding
-        # and pooling, which read more, are refused at startup)
-        return ctx.gather_output(hidden, all_rows=bool(self.num_prompt_logprobs))
+        return ctx.gather_output(hidden, all_rows=self._reads_every_row())
+
+    def _reads_every_row(self) -> bool:
+        """Whether vLLM reads more of this step's hidden states than ``hidden_states[logits_indices]``
+        (each request's last row at a split step): prompt logprobs (``_get_prompt_logprobs_dict``) and
+        the MTP drafter (its first pass runs over ``hidden_states[:num_tokens]``, every row, to write
+        its K/V of the whole prompt) read every row; pooling, which would too, is refused at startup."""
+        return bool(self.num_prompt_logprobs) or self.speculative_config is not None
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        """The drafter's tokens, rank 0's on every rank.
+
+        The MTP drafter runs on every rank over the same rows. Every rank feeds its own drafts into
+        its next step (under async scheduling, from the GPU), so they must be the same bits everywhere;
+        as with the sampled rows (``rank0_rows``), nothing proves that every process picks the same
+        kernel configs, so rank 0's drafts are broadcast ([num_reqs, K] token ids, one call)."""
+        drafts = super().propose_draft_token_ids(*args, **kwargs)
+        if isinstance(drafts, torch.Tensor):
+            drafts = self.pcp_group.broadcast(drafts.contiguous(), src=0)
+        return drafts
 
     # ------------------------------------------------------------------- model, profiling
     def load_model(self, *args, **kwargs) -> None:
-        with pcp_runner_builds_model():
+        """Our model, and the MTP drafter when speculative decoding is on, with the PCP layers: vLLM
+        builds the drafter (``Qwen3_5MoeMTP``, one full-attention layer with experts) right after the
+        target, so both are built while the PCP layer classes are registered: the drafter's experts
+        are whole on every rank (it runs every row on every rank) and its attention takes the PCP impl
+        (vLLM checks ``supports_pcp`` on every attention layer)."""
+        replacements = pcp_layer_replacements(self.pcp_config, moe=bool(
+            getattr(self.model_config.hf_text_config, "num_experts", 0)))
+        with pcp_runner_builds_model(), pcp_layer_classes(replacements):
             super().load_model(*args, **kwargs)
+        drafter = getattr(getattr(self, "drafter", None), "model", None)
+        if drafter is not None:
+            adopt_pcp_attention(drafter)
 
     def profile_run(self) -> None:
         super().profile_run()

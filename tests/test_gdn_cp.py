@@ -112,9 +112,12 @@ def test_sweep_sees_blocks_off_the_chunk_grid():
     assert not any(" island " in f for f in failures)  # island does not depend on the grid
 
 
-def _conv_worker(rank, group):
+def _conv_worker(rank, group, spec_columns=0):
     """Conv halo alone: split prompts (fresh and continuing), a short prompt and a continuation that
-    is not split, so halos come from other ranks' tails, the cache and zeros."""
+    is not split, so halos come from other ranks' tails, the cache and zeros. ``spec_columns``: the
+    cache keeps that many more columns (speculative decoding's verification rows), and the layer hands
+    the kernels its first width - 1 (``PCPGatedDeltaNetAttention._forward_core``): those are read and
+    written, the others left as they were."""
     num_computed, num_new = [0, 6, 70, 0], [513, 8, 700, 3]
     case, w = gdn_case(5, num_computed, num_new)
     plan = PCPPlan(num_computed, num_new, group.world_size, rank, PCPConfig(min_split_tokens=1))
@@ -122,7 +125,11 @@ def _conv_worker(rank, group):
     rows = torch.from_numpy(plan.local_full_idx[rank]).clamp(min=0)
     ctx = PCPContext(plan, group, "cpu")
     conv_state = case["conv_state"].clone()
+    extra = torch.randn(*conv_state.shape[:-1], spec_columns, generator=torch.Generator().manual_seed(3))
+    wide = torch.cat([conv_state, extra.to(conv_state.dtype)], -1)
+    conv_state = wide[..., : conv_state.shape[-1]]
     y = conv_with_halo(ctx, TorchGDNKernels, case["mixed_qkv"][rows], w, conv_state, case["state_idx"])
+    assert torch.equal(wide[..., conv_state.shape[-1]:], extra.to(wide.dtype))
     ref_state = case["conv_state"].clone()
     init = torch.where(torch.tensor(num_computed)[:, None, None] > 0,
                        case["conv_state"][case["state_idx"]], 0.0)
@@ -138,8 +145,9 @@ def _conv_worker(rank, group):
     return True
 
 
-def test_conv_halo_matches_full_conv():
-    assert all(run_distributed(_conv_worker, 4))
+@pytest.mark.parametrize("spec_columns", [0, 3])
+def test_conv_halo_matches_full_conv(spec_columns):
+    assert all(run_distributed(_conv_worker, 4, spec_columns))
 
 
 def test_summary_runs_compose_adjacent_blocks():

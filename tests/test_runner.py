@@ -61,22 +61,35 @@ def _steps(rank, group):
         np.cumsum(n) - 1).to(torch.int32), None)
     GPUModelRunner._determine_batch_execution_and_padding = (
         lambda self, *a, force_eager=False, **kw: dispatched.append(force_eager))
+    # each rank's drafter proposes its own tokens (as if its kernels had rounded differently)
+    GPUModelRunner.propose_draft_token_ids = lambda self, *a, **kw: torch.full((3, 2), 100 + rank)
 
     seen = []
     runner = object.__new__(PCPModelRunner)  # the runner's state, without vLLM's GPU buffers
     runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(min_split_tokens=512), group, None
+    runner.speculative_config = None
     runner.model, runner.device = _model(rank, seen), torch.device("cpu")
     runner._warm_pcp_collectives()  # every rank in chain order: returns (no rank waits for ever)
     results = {}
     # decodes first (vLLM's order), a continuing prompt, a fresh one; 4 rows of padding
-    for name, num_computed, num_new, logprobs in (
-            ("split", [17, 40, 0, 0], [1, 1, 3000, 700], False),
-            ("split_prompt_logprobs", [17, 40, 0, 0], [1, 1, 3000, 700], True),
-            ("unsplit", [17, 40, 3000, 700], [1, 1, 1, 1], False)):
+    # MTP on: a step of prompt tokens alone, one with a request's drafts (verification rows), one
+    # with a request past its prompt and no drafts
+    mtp, drafts = SimpleNamespace(method="mtp"), {"req0": [5, 6]}
+    for name, num_computed, num_new, logprobs, spec, scheduled_drafts in (
+            ("split", [17, 40, 0, 0], [1, 1, 3000, 700], False, None, {}),
+            ("split_prompt_logprobs", [17, 40, 0, 0], [1, 1, 3000, 700], True, None, {}),
+            ("unsplit", [17, 40, 3000, 700], [1, 1, 1, 1], False, None, {}),
+            ("mtp_prompts", [0, 0], [3000, 700], False, mtp, {}),
+            ("mtp_drafts", [17, 0], [3, 3000], False, mtp, drafts),
+            ("mtp_decode", [17, 0], [1, 3000], False, mtp, {})):
         num_new = np.array(num_new, dtype=np.int32)
-        runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12))
+        runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12),
+                                             num_prompt_tokens=np.array([17, 40, 3000, 700][-len(num_new):]
+                                                                        + [0] * 12))
         runner.num_prompt_logprobs = {"req": 5} if logprobs else {}
-        logits_indices, _ = runner._prepare_inputs(None, num_new)
+        runner.speculative_config = spec
+        scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens=scheduled_drafts)
+        logits_indices, _ = runner._prepare_inputs(scheduler_output, num_new)
         runner._determine_batch_execution_and_padding(0, 0, num_new, 0, False)
         starts = np.concatenate([[0], np.cumsum(num_new)[:-1]])
         ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
@@ -91,6 +104,7 @@ def _steps(rank, group):
                          "seen": seen[-1], "t_pad": None if step.plan is None else step.plan.t_pad,
                          "force_eager": dispatched[-1], "starts": starts}
         runner.pcp_step = None  # what execute_model's finally does
+    results["drafts"] = runner.propose_draft_token_ids()
     return results
 
 
@@ -119,3 +133,15 @@ def test_split_and_unsplit_steps_through_the_runner(world_size):
         rows = unsplit["rows"]
         assert torch.equal(unsplit["hidden"][rows], unsplit["expected"][rows]), rank
         assert torch.equal(unsplit["hidden"][4:], unsplit["expected"][4:] + rank)
+
+        # MTP: a step of prompt tokens splits and brings every row (the drafter reads them all)
+        prompts = results["mtp_prompts"]
+        assert prompts["split"] == [True, True] and prompts["force_eager"]
+        n = prompts["expected"].shape[0] - 4
+        assert torch.equal(prompts["hidden"][:n], prompts["expected"][:n]), rank
+        # a step with drafts, or with a request past its prompt, stays whole
+        for name in ("mtp_drafts", "mtp_decode"):
+            assert results[name]["split"] is None and not results[name]["force_eager"], name
+            assert results[name]["seen"] == (3007 if name == "mtp_drafts" else 3005, False)
+        # every rank feeds rank 0's drafts into its next step
+        assert torch.equal(results["drafts"], torch.full((3, 2), 100)), rank

@@ -82,6 +82,14 @@ def _configs(ckpt):
     out["errors"] = {name: error_of(**kw) for name, kw in bad.items()}
     # the same options are fine at pcp == 1 (nothing of ours applies)
     engine_config(ckpt, hf_overrides=OVERRIDES, attention_backend="TRITON_ATTN")
+    # the checkpoint's own MTP head is served at pcp > 1 (vLLM's Qwen3.5 MTP drafter)
+    mtp = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
+                        speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    out["mtp"] = (mtp.speculative_config.method, mtp.speculative_config.draft_model_config.architecture,
+                  mtp.parallel_config.worker_cls)
+    from qwen36_pcp.checks import whole_experts_bytes
+
+    out["mtp_experts_ratio"] = whole_experts_bytes(mtp) / whole_experts_bytes(cfg)
     # whole experts (12 MiB here) must fit the GPU: a 16 MiB one is too small, sharded is fine
     import vllm.platforms as platforms
 
@@ -103,7 +111,7 @@ def _configs(ckpt):
 
     from qwen36_pcp import patches
 
-    del cfg, shared
+    del cfg, shared, mtp
     gc.collect()
     out["serves_pcp_after"] = patches.serves_pcp()
     return out
@@ -119,7 +127,9 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
         assert "qwen36_pcp" in msg, (name, msg)
     assert "decode context parallel" in out["errors"]["dcp"]
     assert "TRITON_ATTN" in out["errors"]["attention_backend"]
-    assert "speculative" in out["errors"]["spec_decode"]
+    assert "speculative decoding method 'ngram'" in out["errors"]["spec_decode"], out["errors"]["spec_decode"]
+    assert out["mtp"] == ("mtp", "Qwen3_5MoeMTP", "qwen36_pcp.worker.PCPWorker")
+    assert out["mtp_experts_ratio"] == pytest.approx(9 / 8)  # the drafter's layer beside 8 MoE layers
     assert "non-hybrid" in out["errors"]["non_hybrid"]
     assert "layuot" in out["errors"]["unknown_option"]
     assert "quantized KV cache (kv_cache_dtype=fp8" in out["errors"]["fp8_kv"]

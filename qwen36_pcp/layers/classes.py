@@ -40,7 +40,11 @@ def pcp_layer_replacements(config: PCPConfig, moe: bool) -> dict[type, type]:
 def pcp_layer_classes(replacements: dict[type, type]):
     """Build ``replacements``' classes in place of vLLM's while the block runs (vLLM's out-of-tree
     layer registry); an out-of-tree class another plugin registered for one of them is an error, as
-    the two cannot both hold."""
+    the two cannot both hold. Our own classes already registered by an enclosing block (the runner
+    registers them while it builds the target and the MTP drafter) stay as they are."""
+    ours_already = {vllm_cls for vllm_cls, ours in replacements.items()
+                    if op_registry_oot.get(vllm_cls.__name__) is ours}
+    replacements = {k: v for k, v in replacements.items() if k not in ours_already}
     taken = {vllm_cls.__name__: op_registry_oot[vllm_cls.__name__] for vllm_cls in replacements
              if vllm_cls.__name__ in op_registry_oot}
     if taken:
@@ -66,6 +70,8 @@ def adopt_pcp_attention(model: torch.nn.Module) -> None:
         if not isinstance(module, Attention):
             continue
         impl = module.impl
+        if type(impl) is PCPFlashAttentionImpl:
+            continue
         if type(impl) is not FlashAttentionImpl:
             raise ValueError(
                 f"{ARCHITECTURE}: prefill context parallel needs the FLASH_ATTN attention backend, but "

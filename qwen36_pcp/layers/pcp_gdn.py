@@ -49,6 +49,9 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         conv_state = self.kv_cache[0]
         if not is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)
+        # with speculative decoding the cache keeps K more columns for verification rows; a prefill
+        # reads and writes the first width - 1, as vLLM's prefill path does
+        conv_state = conv_state[..., : self.conv_kernel_size - 1]
         state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
         CORES[mode](ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(), conv_state,
                     self.kv_cache[1], state_idx)

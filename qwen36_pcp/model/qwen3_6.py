@@ -1,7 +1,8 @@
 """Qwen3_6ForCausalLM: text-only Qwen3.6 / Qwen3.5 hybrid (Gated DeltaNet + gated attention) model.
 
 Built on vLLM's own Qwen3.5 layers. It loads the published multimodal checkpoints
-(``model.language_model.*``; the vision tower and the MTP head are skipped) as well as flat text
+(``model.language_model.*``; the vision tower is skipped, and the MTP head is left to vLLM's MTP
+drafter, which loads ``mtp.*`` itself when speculative decoding asks for it) as well as flat text
 checkpoints, MoE and dense. It adds what vLLM 0.20.2's ``Qwen3_5*ForCausalLM`` lack for a hybrid model
 (``IsHybrid`` and the mamba-state classmethods) and text-only M-RoPE positions. At
 prefill_context_parallel_size > 1 it is built with the PCP layers (``layers.classes``: GDN, attention

@@ -84,6 +84,12 @@ def run_engine(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    drafts_log = None
+    if spec.get("record_drafts"):
+        from harness.shared_gpu import DRAFTS_ENV
+
+        drafts_log = Path(tempfile.mkdtemp()) / "drafts.jsonl"
+        os.environ[DRAFTS_ENV] = str(drafts_log)  # the workers (this process's children) append to it
     t0 = time.time()
     llm = LLM(**spec["llm"])
     startup = time.time() - t0
@@ -98,6 +104,8 @@ def run_engine(spec: dict) -> dict:
         t1 = time.time()
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
         result["runs"].append({"outputs": request_outputs(res), "seconds": time.time() - t1})
+    if drafts_log is not None:
+        result["drafts"] = _drafts_per_request(drafts_log)
     for action in spec.get("actions", []):
         result[action] = ACTIONS[action](llm, spec)
     t2 = time.time()
@@ -163,8 +171,42 @@ def compare_prompt_logprobs(ref: list[list[float]], other: list[list[float]]) ->
             "identical": lengths_agree and ref == other, "nonfinite": nonfinite}
 
 
+def _drafts_per_request(path: Path) -> list[list[list[int]]]:
+    """Each request's drafts, step by step, from the workers' log (``harness.shared_gpu``); requests
+    in the order they first drafted (vLLM adds a random suffix to request ids)."""
+    per_req: dict[str, list[list[int]]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            for req, drafts in json.loads(line).items():
+                per_req.setdefault(req, []).append(drafts)
+    return list(per_req.values())
+
+
+def _spec_decode_metrics(llm, spec):
+    """vLLM's speculative-decoding counters so far (drafts, draft tokens, accepted tokens, accepted per
+    position), as the Prometheus endpoint would report them."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else list(m.values)
+    return out
+
+
+def _seeded_sampling(llm, spec):
+    """The first batch sampled at temperature 1 with a seed per request: the tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    first = spec_batches(spec)[0]
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in first],
+                       [SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=16)
+                        for i in range(len(first))], use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in res]
+
+
 ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "max_tokens_one": _max_tokens_one,
-           "prompt_logprobs": _prompt_logprobs}
+           "prompt_logprobs": _prompt_logprobs, "spec_decode_metrics": _spec_decode_metrics,
+           "seeded_sampling": _seeded_sampling}
 
 
 # ----------------------------------------------------------------------------- parent side
