@@ -195,16 +195,18 @@ DRAFTS_ENV = "QWEN36_PCP_RECORD_DRAFTS"
 
 
 def record_drafts(worker) -> None:
-    """With ``QWEN36_PCP_RECORD_DRAFTS=<file>``, rank 0 appends each step's speculative drafts (the
-    tokens every rank feeds into its next step) as a JSON line {request id: [draft ids]}: engines are
-    compared draft for draft, which the answers alone cannot show (a rejected draft leaves no trace)."""
+    """With ``QWEN36_PCP_RECORD_DRAFTS=<file>``, each rank appends each step's speculative drafts (the
+    tokens it feeds into its next step) to ``<file>.<rank>`` as a JSON line {request id: [draft ids]}:
+    engines are compared draft for draft, which the answers alone cannot show (a rejected draft leaves
+    no trace), and the ranks of one engine with each other (only rank 0 reports tokens, so ranks that
+    fed different drafts would go unseen in the answers)."""
     path = os.environ.get(DRAFTS_ENV)
     runner = worker.model_runner
     drafts = getattr(runner, "_draft_token_ids", None)
-    if not path or worker.rank != 0 or not isinstance(drafts, torch.Tensor):
+    if not path or not isinstance(drafts, torch.Tensor):
         return
     req_ids = runner.input_batch.req_ids[: drafts.shape[0]]
-    with open(path, "a") as f:
+    with open(f"{path}.{worker.rank}", "a") as f:
         f.write(json.dumps(dict(zip(req_ids, drafts.tolist()))) + "\n")
 
 

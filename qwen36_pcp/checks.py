@@ -102,11 +102,19 @@ def speculative_problems(vllm_config) -> list[str]:
         return []
     draft = getattr(spec, "draft_model_config", None)
     arch = list(getattr(getattr(draft, "hf_config", None), "architectures", None) or [])
-    if spec.method == MTP_METHOD and arch and arch[0] in MTP_DRAFTERS:
-        return []
-    return [f"speculative decoding method {spec.method!r} (draft {arch or None}) together with PCP: only the "
-            "checkpoint's own MTP head is supported, --speculative-config '{\"method\": \"mtp\", "
-            "\"num_speculative_tokens\": K}'"]
+    if spec.method != MTP_METHOD or not arch or arch[0] not in MTP_DRAFTERS:
+        return [f"speculative decoding method {spec.method!r} (draft {arch or None}) together with PCP: only "
+                "the checkpoint's own MTP head is supported, --speculative-config '{\"method\": \"mtp\", "
+                "\"num_speculative_tokens\": K}'"]
+    pc = vllm_config.parallel_config
+    problems = []
+    draft_tp = getattr(spec, "draft_tensor_parallel_size", None)
+    if draft_tp not in (None, pc.tensor_parallel_size):
+        problems.append(f"MTP with draft_tensor_parallel_size={draft_tp} other than the target's tensor "
+                        f"parallel size ({pc.tensor_parallel_size}) together with PCP (not verified)")
+    if getattr(pc, "cp_kv_cache_interleave_size", 1) > 1:
+        problems.append("MTP with cp_kv_cache_interleave_size > 1 (vLLM's attention does not support it)")
+    return problems
 
 
 def worker_class_problems(vllm_config) -> list[str]:
@@ -496,11 +504,11 @@ def checkpoint_quant_config(model_config) -> dict | None:
     return None
 
 
-def _experts_left_unquantized(ignored: list[str], layer: int) -> bool:
-    """vLLM's ``is_layer_skipped`` for our model's FusedMoE ``model.layers.{layer}.mlp.experts``: it is
-    skipped if it is part of an ignored name that names experts (names mapped as our model's
-    ``hf_to_vllm_mapper`` maps them)."""
-    prefix = f"model.layers.{layer}.mlp.experts"
+def _experts_left_unquantized(ignored: list[str], layer: int, layers: str = "model.layers") -> bool:
+    """vLLM's ``is_layer_skipped`` for the FusedMoE ``{layers}.{layer}.mlp.experts`` (our model's, or
+    the MTP drafter's under ``mtp.layers``): it is skipped if it is part of an ignored name that names
+    experts (names mapped as our model's ``hf_to_vllm_mapper`` maps them)."""
+    prefix = f"{layers}.{layer}.mlp.experts"
     return any(prefix in re.sub(r"^model\.language_model\.", "model.", name)
                for name in ignored if "experts" in name)
 
@@ -529,8 +537,10 @@ def whole_experts_bytes(vllm_config, tp_size: int = 1) -> int | None:
     spec = getattr(vllm_config, "speculative_config", None)  # the doctor passes a partial config
     serves_mtp = spec is not None and spec.method == MTP_METHOD
     mtp_layers = (getattr(t, "mtp_num_hidden_layers", 0) or 0) if serves_mtp else 0
-    return t.num_experts * (sum(plain if _experts_left_unquantized(ignored, n) else per_expert
-                                for n in layers) + mtp_layers * per_expert)
+    return t.num_experts * (
+        sum(plain if _experts_left_unquantized(ignored, n) else per_expert for n in layers)
+        + sum(plain if _experts_left_unquantized(ignored, n, "mtp.layers") else per_expert
+              for n in range(mtp_layers)))
 
 
 def _memory_not_checked(detail: str) -> None:

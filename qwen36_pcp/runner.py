@@ -25,6 +25,7 @@ import vllm.v1.worker.block_table as block_table_module
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
 from vllm.distributed import get_pcp_group
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .config import PCPConfig, pcp_config_of, pcp_runner_builds_model
@@ -183,6 +184,12 @@ class PCPModelRunner(GPUModelRunner):
         drafter = getattr(getattr(self, "drafter", None), "model", None)
         if drafter is not None:
             adopt_pcp_attention(drafter)
+            whole = replacements.get(FusedMoE)
+            sharded = [n for n, m in drafter.named_modules()
+                       if whole is not None and isinstance(m, FusedMoE) and not isinstance(m, whole)]
+            if sharded:  # built outside load_model: its experts would be sharded over the PCP ranks
+                raise RuntimeError(f"qwen36_pcp: the MTP drafter's experts {sharded} were not built whole on "
+                                   "every PCP rank (vLLM built the drafter outside the model runner's load_model)")
 
     def profile_run(self) -> None:
         super().profile_run()

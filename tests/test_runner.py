@@ -75,17 +75,18 @@ def _steps(rank, group):
     # MTP on: a step of prompt tokens alone, one with a request's drafts (verification rows), one
     # with a request past its prompt and no drafts
     mtp, drafts = SimpleNamespace(method="mtp"), {"req0": [5, 6]}
-    for name, num_computed, num_new, logprobs, spec, scheduled_drafts in (
-            ("split", [17, 40, 0, 0], [1, 1, 3000, 700], False, None, {}),
-            ("split_prompt_logprobs", [17, 40, 0, 0], [1, 1, 3000, 700], True, None, {}),
-            ("unsplit", [17, 40, 3000, 700], [1, 1, 1, 1], False, None, {}),
-            ("mtp_prompts", [0, 0], [3000, 700], False, mtp, {}),
-            ("mtp_drafts", [17, 0], [3, 3000], False, mtp, drafts),
-            ("mtp_decode", [17, 0], [1, 3000], False, mtp, {})):
+    # (request 0 of the last two is past its 17-token prompt, request 1 a fresh 3000-token prompt)
+    prompts4 = [17, 40, 3000, 700]
+    for name, num_computed, num_new, num_prompt, logprobs, spec, scheduled_drafts in (
+            ("split", [17, 40, 0, 0], [1, 1, 3000, 700], prompts4, False, None, {}),
+            ("split_prompt_logprobs", [17, 40, 0, 0], [1, 1, 3000, 700], prompts4, True, None, {}),
+            ("unsplit", [17, 40, 3000, 700], [1, 1, 1, 1], prompts4, False, None, {}),
+            ("mtp_prompts", [0, 0], [3000, 700], [3000, 700], False, mtp, {}),
+            ("mtp_drafts", [17, 0], [3, 3000], [17, 3000], False, mtp, drafts),
+            ("mtp_decode", [17, 0], [1, 3000], [17, 3000], False, mtp, {})):
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12),
-                                             num_prompt_tokens=np.array([17, 40, 3000, 700][-len(num_new):]
-                                                                        + [0] * 12))
+                                             num_prompt_tokens=np.array(num_prompt + [0] * 12))
         runner.num_prompt_logprobs = {"req": 5} if logprobs else {}
         runner.speculative_config = spec
         scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens=scheduled_drafts)

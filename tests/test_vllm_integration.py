@@ -64,6 +64,10 @@ def _configs(ckpt):
         "flashinfer_gdn": dict(gdn_prefill_backend="flashinfer"),
         "spec_decode": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+        "mtp_draft_tp": dict(tensor_parallel_size=2, speculative_config={
+            "method": "mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1}),
+        "mtp_interleave": dict(cp_kv_cache_interleave_size=16, speculative_config={
+            "method": "mtp", "num_speculative_tokens": 1}),
         "non_hybrid": dict(hf_overrides={**OVERRIDES, "text_config": {
             "layer_types": ["full_attention"] * 8}}),
         "lora": dict(enable_lora=True),
@@ -128,6 +132,8 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "decode context parallel" in out["errors"]["dcp"]
     assert "TRITON_ATTN" in out["errors"]["attention_backend"]
     assert "speculative decoding method 'ngram'" in out["errors"]["spec_decode"], out["errors"]["spec_decode"]
+    assert "draft_tensor_parallel_size=1" in out["errors"]["mtp_draft_tp"], out["errors"]["mtp_draft_tp"]
+    assert "cp_kv_cache_interleave_size" in out["errors"]["mtp_interleave"], out["errors"]["mtp_interleave"]
     assert out["mtp"] == ("mtp", "Qwen3_5MoeMTP", "qwen36_pcp.worker.PCPWorker")
     assert out["mtp_experts_ratio"] == pytest.approx(9 / 8)  # the drafter's layer beside 8 MoE layers
     assert "non-hybrid" in out["errors"]["non_hybrid"]

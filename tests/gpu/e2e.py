@@ -105,7 +105,10 @@ def run_engine(spec: dict) -> dict:
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
         result["runs"].append({"outputs": request_outputs(res), "seconds": time.time() - t1})
     if drafts_log is not None:
-        result["drafts"] = _drafts_per_request(drafts_log)
+        per_rank = [_drafts_per_request(f) for f in sorted(drafts_log.parent.glob(drafts_log.name + ".*"))]
+        result["drafts"] = per_rank[0] if per_rank else []
+        result["drafts_ranks_agree"] = all(r == per_rank[0] for r in per_rank)
+        result["drafts_ranks"] = len(per_rank)
     for action in spec.get("actions", []):
         result[action] = ACTIONS[action](llm, spec)
     t2 = time.time()

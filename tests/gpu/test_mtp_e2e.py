@@ -144,6 +144,8 @@ def test_mtp_at_pcp_matches_pcp1(engine_pool):
             failed.append(f"{name}: not bit for bit (answers {r['identical']}, drafts {r['drafts_identical']})")
         if r["draft_steps"] == 0:
             failed.append(f"{name}: no drafts logged")
+        if not (b["drafts_ranks_agree"] and b["drafts_ranks"] == ENGINES[name][2] * ENGINES[name][3]):
+            failed.append(f"{name}: the ranks fed different drafts ({b['drafts_ranks']} ranks logged)")
         accepted = "vllm:spec_decode_num_accepted_tokens"
         if r["spec_decode"].get(accepted) != r["spec_decode_ref"].get(accepted):
             failed.append(f"{name}: accepted tokens {r['spec_decode'].get(accepted)} vs "
@@ -159,6 +161,46 @@ def test_mtp_at_pcp_matches_pcp1(engine_pool):
     if not (without["ok"] and without["nonfinite"] == 0):
         failed.append("greedy MTP vs greedy without MTP at pcp=2")
     assert not failed, failed
+
+
+# one 12000-token prompt in 4096-token chunks (every chunk split: continuing chunks with MTP on), at
+# pcp=1, at pcp=2, and at pcp=2 after other requests have used the caches (answers must not depend on
+# what the caches held before)
+CHUNKED = {"chunked_pcp1": 1, "chunked_pcp2": 2, "chunked_after_history_pcp2": 2}
+
+
+def chunked_jobs():
+    vocab = e2e.vocab_size(e2e.checkpoint("tiny"))
+    prompt = e2e.prompt_ids((12000,), vocab, seed=14)
+    history = e2e.prompt_ids((2000, 5000), vocab, seed=15)
+    jobs = {}
+    for name, pcp in CHUNKED.items():
+        llm = e2e.base_llm_kwargs(draftable_checkpoint(), enforce_eager=True, max_model_len=32768,
+                                  max_num_batched_tokens=4096, disable_log_stats=False,
+                                  prefill_context_parallel_size=pcp,
+                                  speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        if pcp > 1:
+            llm["additional_config"] = {"qwen36_pcp": SPLIT_FROM}
+        batches = ([history] if "history" in name else []) + [prompt]
+        jobs[name] = ({"llm": llm, "engine_core_in_process": True, "batches": batches, "record_drafts": True,
+                       "actions": ["spec_decode_metrics"]}, pcp)
+    return jobs
+
+
+@pytest.mark.engine_jobs(builder=chunked_jobs)
+def test_mtp_chunked_prompt_alone(engine_pool):
+    """Continuing chunks split with MTP on: the same answers as pcp=1, fresh or after other requests."""
+    ref = e2e.result(engine_pool, "chunked_pcp1")
+    report = {}
+    for name in ("chunked_pcp2", "chunked_after_history_pcp2"):
+        r = e2e.result(engine_pool, name)
+        out = e2e.outputs(r, [len(r["runs"]) - 1])
+        report[name] = {**e2e.compare(e2e.outputs(ref), out), "identical": e2e.outputs(ref) == out}
+    e2e.save("mtp_chunked", report)
+    print(f"[mtp chunked] {report}")
+    for name, c in report.items():
+        assert c["ok"] and c["nonfinite"] == 0, (name, c)
+        assert c["identical"], (name, c)
 
 
 if __name__ == "__main__":  # the draftable checkpoint alone (to look at it)
