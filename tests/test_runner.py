@@ -82,6 +82,8 @@ def _steps(rank, group):
             ("split_prompt_logprobs", [17, 40, 0, 0], [1, 1, 3000, 700], prompts4, True, None, {}),
             ("unsplit", [17, 40, 3000, 700], [1, 1, 1, 1], prompts4, False, None, {}),
             ("mtp_prompts", [0, 0], [3000, 700], [3000, 700], False, mtp, {}),
+            # a continuing chunk split (its prompt's earlier chunks in the cache) beside a fresh one
+            ("mtp_continuing", [4096, 0], [4096, 700], [20000, 700], False, mtp, {}),
             ("mtp_drafts", [17, 0], [3, 3000], [17, 3000], False, mtp, drafts),
             ("mtp_decode", [17, 0], [1, 3000], [17, 3000], False, mtp, {})):
         num_new = np.array(num_new, dtype=np.int32)
@@ -140,6 +142,10 @@ def test_split_and_unsplit_steps_through_the_runner(world_size):
         assert prompts["split"] == [True, True] and prompts["force_eager"]
         n = prompts["expected"].shape[0] - 4
         assert torch.equal(prompts["hidden"][:n], prompts["expected"][:n]), rank
+        cont = results["mtp_continuing"]
+        assert cont["split"] == [True, True]
+        n = cont["expected"].shape[0] - 4
+        assert torch.equal(cont["hidden"][:n], cont["expected"][:n]), rank
         # a step with drafts, or with a request past its prompt, stays whole
         for name in ("mtp_drafts", "mtp_decode"):
             assert results[name]["split"] is None and not results[name]["force_eager"], name
