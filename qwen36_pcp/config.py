@@ -19,6 +19,11 @@ LAYOUTS = ("zigzag", "contiguous")
 GDN_MODES = ("relay", "state_passing", "island")
 MOE_EXPERTS = ("replicated", "sharded")
 
+# vLLM's name for a drafter built from the checkpoint's own ``mtp.*`` head, and the draft architectures
+# that Qwen3.5 / Qwen3.6 checkpoints become (``SpeculativeConfig.hf_config_override``)
+MTP_METHOD = "mtp"
+MTP_DRAFTERS = ("Qwen3_5MoeMTP", "Qwen3_5MTP")
+
 # fla's chunk size: the chunked GDN kernels cut every sequence into 64-token chunks from its start.
 GDN_CHUNK = 64
 

@@ -165,7 +165,7 @@ def read_model_config(model: str) -> dict:
 
 
 def model_config_like(config: dict) -> SimpleNamespace:
-    """The few ``ModelConfig`` attributes ``checks.whole_experts_bytes`` reads, from config.json: the
+    """The few ``ModelConfig`` attributes ``expert_memory.whole_experts_bytes`` reads, from config.json: the
     text model (under ``text_config`` in the published Qwen3.6 layout, or the whole file), the
     checkpoint's quantization method, and the dtype vLLM's ``--dtype auto`` picks (float32 checkpoints are
     downcast to bfloat16; a name torch does not know is read as bfloat16)."""
@@ -188,7 +188,7 @@ def check_model(config: dict, tp: int, pcp: int, options: PCPConfig | None, gpus
     """PCP here is for Gated DeltaNet + full-attention hybrids; with ``moe_experts="replicated"`` (the
     default) every expert is whole on every PCP rank, split over tp only, and the engine's startup
     check refuses experts above 80% of the memory gpu_memory_utilization allows."""
-    from .checks import experts_storage, whole_experts_bytes
+    from .expert_memory import experts_storage, whole_experts_bytes
 
     like = model_config_like(config)
     text = like.hf_text_config

@@ -28,8 +28,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from .config import PCPConfig, pcp_config_of, pcp_runner_builds_model
-from .layers.classes import adopt_pcp_attention, pcp_layer_classes, pcp_layer_replacements
+from .config import PCPConfig, pcp_config_of
+from .layers.classes import adopt_pcp_attention, pcp_model_build
 from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .plan import PCPPlan
@@ -177,9 +177,7 @@ class PCPModelRunner(GPUModelRunner):
         target, so both are built while the PCP layer classes are registered: the drafter's experts
         are whole on every rank (it runs every row on every rank) and its attention takes the PCP impl
         (vLLM checks ``supports_pcp`` on every attention layer)."""
-        replacements = pcp_layer_replacements(self.pcp_config, moe=bool(
-            getattr(self.model_config.hf_text_config, "num_experts", 0)))
-        with pcp_runner_builds_model(), pcp_layer_classes(replacements):
+        with pcp_model_build(self.vllm_config) as replacements:
             super().load_model(*args, **kwargs)
         drafter = getattr(getattr(self, "drafter", None), "model", None)
         if drafter is not None:

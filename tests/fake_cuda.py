@@ -59,7 +59,7 @@ def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 
     ``as_pcp_runner``: as the PCP model runner builds it (our model at pcp > 1 needs that)."""
     import contextlib
 
-    from qwen36_pcp.config import pcp_runner_builds_model
+    from qwen36_pcp.layers.classes import pcp_model_build
 
     import torch
     from vllm.config import set_current_vllm_config
@@ -75,7 +75,7 @@ def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 
         if not model_parallel_is_initialized():  # a second model in the process joins the same world
             init_distributed_environment(tp * pcp_ranks, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
             initialize_model_parallel(tp, 1, prefill_context_model_parallel_size=pcp_ranks, backend="gloo")
-        with pcp_runner_builds_model() if as_pcp_runner else contextlib.nullcontext():
+        with pcp_model_build(vllm_config) if as_pcp_runner else contextlib.nullcontext():
             return model_cls(vllm_config=vllm_config, prefix="")
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from qwen36_pcp import doctor
 from qwen36_pcp.__main__ import main
-from qwen36_pcp.checks import whole_experts_bytes
+from qwen36_pcp.expert_memory import whole_experts_bytes
 from qwen36_pcp.tools.make_checkpoint import build_config, make_checkpoint
 
 GiB = 2**30

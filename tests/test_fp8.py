@@ -1,6 +1,6 @@
 """FP8 on vLLM 0.20.2's real objects (CPU, fake CUDA; no FP8 kernel runs).
 
-* The whole-experts memory estimate (``checks.whole_experts_bytes``) for the Qwen3.6-35B-A3B config:
+* The whole-experts memory estimate (``expert_memory.whole_experts_bytes``) for the Qwen3.6-35B-A3B config:
   bf16, vLLM's online ``quantization="fp8"`` (and its ``fp8_per_tensor`` / ``fp8_per_block`` schemes),
   and an FP8 checkpoint laid out like the published Qwen3.6-35B-A3B-FP8 (``make_checkpoint --fp8``,
   128x128 blocks); a method without an estimate skips the memory check with a warning.
@@ -52,7 +52,7 @@ def _vllm_side(root):
     out["cli"] = json.loads((root / "cli" / "config.json").read_text())["quantization_config"]
 
     # ----------------------------------------------------------------- the estimate (35B-A3B)
-    from qwen36_pcp.checks import experts_storage, whole_experts_bytes, whole_experts_problems
+    from qwen36_pcp.expert_memory import experts_storage, whole_experts_bytes, whole_experts_problems
 
     warnings = []
     handler = logging.Handler()
@@ -226,7 +226,7 @@ def test_experts_named_in_modules_to_not_convert_stay_unquantized():
 
     import torch
 
-    from qwen36_pcp.checks import whole_experts_bytes
+    from qwen36_pcp.expert_memory import whole_experts_bytes
     from qwen36_pcp.tools.make_checkpoint import PRESETS
 
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],

@@ -64,7 +64,8 @@ def _configs(rank, world_size, port, ckpt):
     import qwen36_pcp
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    from qwen36_pcp.checks import validate_pcp_config, whole_experts_problems
+    from qwen36_pcp.checks import validate_pcp_config
+    from qwen36_pcp.expert_memory import whole_experts_problems
 
     qwen36_pcp.register()
     out = {}

@@ -91,7 +91,7 @@ def _configs(ckpt):
                         speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     out["mtp"] = (mtp.speculative_config.method, mtp.speculative_config.draft_model_config.architecture,
                   mtp.parallel_config.worker_cls)
-    from qwen36_pcp.checks import whole_experts_bytes
+    from qwen36_pcp.expert_memory import whole_experts_bytes
 
     out["mtp_experts_ratio"] = whole_experts_bytes(mtp) / whole_experts_bytes(cfg)
     # whole experts (12 MiB here) must fit the GPU: a 16 MiB one is too small, sharded is fine

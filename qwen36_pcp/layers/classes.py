@@ -3,8 +3,9 @@
 vLLM's Qwen3.5 decoder layers build ``GatedDeltaNetAttention``, ``FusedMoE`` and ``ReplicatedLinear``
 themselves. These are vLLM "pluggable layers": while an out-of-tree class is registered under such a
 layer's name (``PluggableLayer.register_oot``), constructing the layer builds that class instead. The
-PCP subclasses are registered only while our model is built at pcp > 1 (``pcp_layer_classes``) and
-removed right after, so no other model in the process, and no later engine, sees them. Attention is
+PCP subclasses are registered only while the PCP model runner loads our model and its MTP drafter at
+pcp > 1 (``pcp_model_build``) and removed right after, so no other model in the process, and no later
+engine, sees them. Attention is
 not pluggable: its impl (vLLM's FlashAttention) adopts the PCP subclass after the model is built
 (``adopt_pcp_attention``); the subclass adds no state.
 """
@@ -21,30 +22,39 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-from ..config import ARCHITECTURE, PCPConfig
+from ..config import ARCHITECTURE, pcp_config_of, pcp_runner_builds_model, uses_pcp
 from .full_rows_linear import PCPReplicatedLinear
 from .pcp_attention import PCPFlashAttentionImpl
 from .pcp_gdn import PCPGatedDeltaNetAttention
 from .whole_experts import WholeExpertsFusedMoE
 
 
-def pcp_layer_replacements(config: PCPConfig, moe: bool) -> dict[type, type]:
-    """vLLM layer class -> the class our model builds in its place at pcp > 1."""
+def pcp_layer_replacements(vllm_config) -> dict[type, type]:
+    """vLLM layer class -> the class built in its place at pcp > 1 (none at pcp == 1)."""
+    if not uses_pcp(vllm_config):
+        return {}
     out = {GatedDeltaNetAttention: PCPGatedDeltaNetAttention, ReplicatedLinear: PCPReplicatedLinear}
-    if moe and config.moe_experts == "replicated":
+    moe = bool(getattr(vllm_config.model_config.hf_text_config, "num_experts", 0))
+    if moe and pcp_config_of(vllm_config).moe_experts == "replicated":
         out[FusedMoE] = WholeExpertsFusedMoE
     return out
+
+
+@contextlib.contextmanager
+def pcp_model_build(vllm_config):
+    """What the PCP model runner wraps around vLLM's model load (our model, then the MTP drafter when
+    speculative decoding is on): its mark, without which our model at pcp > 1 refuses to be built, and
+    the PCP layer classes. Yields the replacements in effect."""
+    replacements = pcp_layer_replacements(vllm_config)
+    with pcp_runner_builds_model(), pcp_layer_classes(replacements):
+        yield replacements
 
 
 @contextlib.contextmanager
 def pcp_layer_classes(replacements: dict[type, type]):
     """Build ``replacements``' classes in place of vLLM's while the block runs (vLLM's out-of-tree
     layer registry); an out-of-tree class another plugin registered for one of them is an error, as
-    the two cannot both hold. Our own classes already registered by an enclosing block (the runner
-    registers them while it builds the target and the MTP drafter) stay as they are."""
-    ours_already = {vllm_cls for vllm_cls, ours in replacements.items()
-                    if op_registry_oot.get(vllm_cls.__name__) is ours}
-    replacements = {k: v for k, v in replacements.items() if k not in ours_already}
+    the two cannot both hold."""
     taken = {vllm_cls.__name__: op_registry_oot[vllm_cls.__name__] for vllm_cls in replacements
              if vllm_cls.__name__ in op_registry_oot}
     if taken:

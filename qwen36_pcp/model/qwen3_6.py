@@ -25,9 +25,9 @@ from vllm.model_executor.models.qwen3_5 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-from ..checks import whole_experts_bytes
-from ..config import ARCHITECTURE, built_by_pcp_runner, pcp_config_of
-from ..layers.classes import adopt_pcp_attention, pcp_layer_classes, pcp_layer_replacements
+from ..expert_memory import whole_experts_bytes
+from ..config import ARCHITECTURE, built_by_pcp_runner
+from ..layers.classes import adopt_pcp_attention
 
 logger = init_logger(__name__)
 
@@ -46,10 +46,8 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
                 f"model runner, which qwen36_pcp.worker.PCPWorker builds; this worker "
                 f"(worker_cls={vllm_config.parallel_config.worker_cls!r}) built another. Leave worker_cls "
                 "unset, or build your worker class on qwen36_pcp.worker.PCPWorker.")
-        moe = bool(getattr(vllm_config.model_config.hf_text_config, "num_experts", 0))
-        replacements = pcp_layer_replacements(pcp_config_of(vllm_config), moe) if pcp else {}
-        with pcp_layer_classes(replacements):
-            Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        # at pcp > 1 the runner has registered the PCP layer classes (layers.classes.pcp_model_build)
+        Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
         if getattr(self.config, "num_experts", 0):
             self.set_moe_parameters()
         else:  # dense (Qwen3.6-27B-style): not a mixture of experts

@@ -96,19 +96,24 @@ def draftable_checkpoint() -> str:
     return str(dst)
 
 
+def mtp_llm(model: str, k: int, tp: int = 1, pcp: int = 1, **kw) -> dict:
+    """LLM arguments: eager, speculative-decoding counters on, MTP with ``k`` drafts (none: ``k=0``)."""
+    llm = e2e.base_llm_kwargs(model, enforce_eager=True, max_model_len=32768, disable_log_stats=False,
+                              tensor_parallel_size=tp, prefill_context_parallel_size=pcp, **kw)
+    if pcp > 1:
+        llm["additional_config"] = {"qwen36_pcp": SPLIT_FROM}
+    if k:
+        llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+    return llm
+
+
 def mtp_jobs():
     ckpt = e2e.checkpoint("tiny")
     vocab = e2e.vocab_size(ckpt)
     prompts = e2e.prompt_ids(LENGTHS, vocab, seed=12)
     jobs = {}
     for name, (head, k, tp, pcp) in ENGINES.items():
-        model = draftable_checkpoint() if head == "draftable" else ckpt
-        llm = e2e.base_llm_kwargs(model, enforce_eager=True, max_model_len=32768, disable_log_stats=False,
-                                  tensor_parallel_size=tp, prefill_context_parallel_size=pcp)
-        if pcp > 1:
-            llm["additional_config"] = {"qwen36_pcp": SPLIT_FROM}
-        if head is not None:
-            llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        llm = mtp_llm(draftable_checkpoint() if head == "draftable" else ckpt, k, tp, pcp)
         jobs[name] = ({"llm": llm, "engine_core_in_process": True, "batches": [prompts],
                        "record_drafts": head is not None, "abort_prompt": e2e.prompt_ids((30000,), vocab, seed=3)[0],
                        "actions": ["spec_decode_metrics", "max_tokens_one", "seeded_sampling",
@@ -175,12 +180,7 @@ def chunked_jobs():
     history = e2e.prompt_ids((2000, 5000), vocab, seed=15)
     jobs = {}
     for name, pcp in CHUNKED.items():
-        llm = e2e.base_llm_kwargs(draftable_checkpoint(), enforce_eager=True, max_model_len=32768,
-                                  max_num_batched_tokens=4096, disable_log_stats=False,
-                                  prefill_context_parallel_size=pcp,
-                                  speculative_config={"method": "mtp", "num_speculative_tokens": 3})
-        if pcp > 1:
-            llm["additional_config"] = {"qwen36_pcp": SPLIT_FROM}
+        llm = mtp_llm(draftable_checkpoint(), 3, pcp=pcp, max_num_batched_tokens=4096)
         batches = ([history] if "history" in name else []) + [prompt]
         jobs[name] = ({"llm": llm, "engine_core_in_process": True, "batches": batches, "record_drafts": True,
                        "actions": ["spec_decode_metrics"]}, pcp)

@@ -132,11 +132,16 @@ def _stream(url: str, body: dict, hang_up_after: int | None = None, timeout: flo
     return {"token_ids": ids, "logprobs": lps}
 
 
-def _metrics(url: str) -> dict:
+SCHEDULER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+SPEC_DECODE_METRICS = ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def _metrics(url: str, names=SCHEDULER_METRICS) -> dict:
+    """``/metrics``' values of ``names``, summed over their labels."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out = {}
     for line in text.splitlines():
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        for name in names:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -189,23 +194,13 @@ def _serve(gpus: str, v: Variant):
                    "after_hangups": after_hangups, "too_long_status": too_long, "health": health,
                    "after_too_long": _settled(url, baseline), "baseline_kv_usage": baseline}
         if "speculative_config" in v.extra:
-            summary["spec_decode"] = _spec_decode_counters(url)
+            summary["spec_decode"] = _metrics(url, SPEC_DECODE_METRICS)
         e2e.save(f"serve_faults_{v.name}", summary)
         return summary
 
     return e2e.serve([*e2e.pcp_serve_args(ckpt, gpus, 2, MAX_MODEL_LEN), "--seed", "0",
                       "--gdn-prefill-backend", "triton", *e2e.cli_flags(v.extra)], requests,
                      name=f"serve_faults_{v.name}", gpus=gpus, timeout=600)
-
-
-def _spec_decode_counters(url: str) -> dict:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        for name in ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def _jobs(v: Variant):
