@@ -40,10 +40,12 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from . import patches
-    from .model.qwen3_6 import ARCHITECTURE, Qwen3_6ForCausalLM
+    from .model import Qwen3_6ForCausalLM, Qwen3_6ForConditionalGeneration
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        # the class itself, not "module:Class": vLLM inspects a lazily registered out-of-tree model in
-        # a fresh Python subprocess on every engine start (~20 s), and the module is imported anyway
-        ModelRegistry.register_model(ARCHITECTURE, Qwen3_6ForCausalLM)
+    supported = ModelRegistry.get_supported_archs()
+    for cls in (Qwen3_6ForCausalLM, Qwen3_6ForConditionalGeneration):
+        if cls.__name__ not in supported:
+            # the class itself, not "module:Class": vLLM inspects a lazily registered out-of-tree model
+            # in a fresh Python subprocess on every engine start (~20 s), and the module is imported anyway
+            ModelRegistry.register_model(cls.__name__, cls)
     patches.install()

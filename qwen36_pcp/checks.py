@@ -17,12 +17,14 @@ from vllm.utils.import_utils import resolve_obj_by_qualname
 
 from .config import (
     ARCHITECTURE,
+    ARCHITECTURES,
     MTP_DRAFTERS,
     MTP_METHOD,
     OPTIONS_KEY,
     PCPConfig,
     below_split_floor,
     misspelled_option_keys,
+    our_architecture,
     pcp_config_of,
     uses_pcp,
 )
@@ -85,7 +87,7 @@ def validate_pcp_config(vllm_config) -> None:
     if problems:
         raise ValueError(
             f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
-            f"{ARCHITECTURE} does not support: " + "; ".join(problems) + "."
+            f"{our_architecture(vllm_config)} does not support: " + "; ".join(problems) + "."
         )
 
 
@@ -375,7 +377,7 @@ def names_our_architecture(model, hf_overrides) -> bool:
                 archs = json.load(f).get("architectures")
         except (OSError, ValueError, AttributeError):
             archs = None
-    return isinstance(archs, (list, tuple)) and ARCHITECTURE in archs
+    return isinstance(archs, (list, tuple)) and any(a in ARCHITECTURES for a in archs)
 
 
 def cli_before_config_error(argv: list[str], device_type: str) -> Exception | None:

@@ -12,12 +12,15 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
-ARCHITECTURE = "Qwen3_6ForCausalLM"
+ARCHITECTURE = "Qwen3_6ForCausalLM"  # text only (the vision tower of a published checkpoint is skipped)
+VL_ARCHITECTURE = "Qwen3_6ForConditionalGeneration"  # with the vision tower: images and video
+ARCHITECTURES = (ARCHITECTURE, VL_ARCHITECTURE)
 OPTIONS_KEY = "qwen36_pcp"  # additional_config={"qwen36_pcp": {...}}
 
 LAYOUTS = ("zigzag", "contiguous")
 GDN_MODES = ("relay", "state_passing", "island")
 MOE_EXPERTS = ("replicated", "sharded")
+VISION_ENCODER = ("split", "replicated")
 
 # vLLM's name for a drafter built from the checkpoint's own ``mtp.*`` head, and the draft architectures
 # that Qwen3.5 / Qwen3.6 checkpoints become (``SpeculativeConfig.hf_config_override``)
@@ -40,6 +43,9 @@ class PCPConfig:
     # serve chunks split beside decode rows (docs/performance.md)
     min_split_tokens: int = 4096
     moe_experts: str = "replicated"
+    # the vision-language class: each rank encodes its share of a step's frames (layers/vision_split.py),
+    # or every rank encodes every image and video (pcp=1's bits)
+    vision_encoder: str = "split"
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -51,6 +57,10 @@ class PCPConfig:
         if self.moe_experts not in MOE_EXPERTS:
             raise ValueError(
                 f"qwen36_pcp: moe_experts must be one of {MOE_EXPERTS}, got {self.moe_experts!r}"
+            )
+        if self.vision_encoder not in VISION_ENCODER:
+            raise ValueError(
+                f"qwen36_pcp: vision_encoder must be one of {VISION_ENCODER}, got {self.vision_encoder!r}"
             )
         if not isinstance(self.min_split_tokens, int) or self.min_split_tokens < 1:
             raise ValueError(
@@ -120,11 +130,17 @@ def below_split_floor(config: PCPConfig, world_size: int) -> str | None:
 
 
 def uses_pcp(vllm_config) -> bool:
-    """Our model with prefill_context_parallel_size > 1: the only case any hook acts on."""
+    """One of our models with prefill_context_parallel_size > 1: the only case any hook acts on."""
     if vllm_config is None or vllm_config.model_config is None:
         return False
-    archs = getattr(vllm_config.model_config, "architectures", None) or []
-    return vllm_config.parallel_config.prefill_context_parallel_size > 1 and ARCHITECTURE in archs
+    pcp = vllm_config.parallel_config.prefill_context_parallel_size
+    return pcp > 1 and our_architecture(vllm_config) is not None
+
+
+def our_architecture(vllm_config) -> str | None:
+    """The name of our model class the config asks for (``ARCHITECTURES``), or None."""
+    archs = getattr(getattr(vllm_config, "model_config", None), "architectures", None) or []
+    return next((a for a in archs if a in ARCHITECTURES), None)
 
 
 def pcp_config_of(vllm_config) -> PCPConfig:

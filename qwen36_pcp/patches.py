@@ -37,7 +37,7 @@ from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from . import checks, deterministic_gdn
-from .config import ARCHITECTURE, uses_pcp
+from .config import ARCHITECTURES, uses_pcp
 from .prompt_tail import prompt_tail
 
 ORIGINAL = "__qwen36_pcp_original__"
@@ -228,8 +228,9 @@ def install() -> None:
         patch.check()
     for patch in PATCHES:
         patch.install()
-    if model_configs.MODELS_CONFIG_MAP.get(ARCHITECTURE) is None:
-        model_configs.MODELS_CONFIG_MAP[ARCHITECTURE] = _config_check_class()
+    for architecture in ARCHITECTURES:
+        if model_configs.MODELS_CONFIG_MAP.get(architecture) is None:
+            model_configs.MODELS_CONFIG_MAP[architecture] = _config_check_class()
     if deterministic_gdn.race_free_gdn_kkt_wanted(pcp=False):
         deterministic_gdn.race_free_gdn_kkt()
     _installed = True
@@ -240,7 +241,8 @@ def uninstall() -> None:
     global _installed
     for patch in PATCHES:
         patch.uninstall()
-    model_configs.MODELS_CONFIG_MAP.pop(ARCHITECTURE, None)
+    for architecture in ARCHITECTURES:
+        model_configs.MODELS_CONFIG_MAP.pop(architecture, None)
     deterministic_gdn.restore_gdn_kkt()
     _pcp_front_ends.clear()
     _installed = False

@@ -31,9 +31,9 @@ def _model(rank: int, seen: list):
         from qwen36_pcp.layers.context import current_pcp_context
 
         ctx = current_pcp_context()
-        seen.append((input_ids.shape[0], ctx is not None))
-        ids, pos = input_ids.double(), positions.double()
-        hidden = torch.stack([ids, pos, ids * pos, torch.ones_like(ids)], dim=1)
+        seen.append(((input_ids if input_ids is not None else inputs_embeds).shape[0], ctx is not None))
+        hidden = _expected(input_ids, positions, inputs_embeds)
+        ids = hidden[:, 0]
         noise = torch.full((ids.shape[0],), float(rank), dtype=torch.float64)
         if ctx is not None:  # a split row's one copy is its primary one
             noise[torch.from_numpy(ctx.plan.primary[rank])] = 0.0
@@ -42,9 +42,31 @@ def _model(rank: int, seen: list):
     return forward
 
 
-def _expected(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    ids, pos = ids.double(), pos.double()
+def _expected(ids: torch.Tensor | None, pos: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """The stand-in model: a function of each row's token id (or its embedding's first element) and
+    its position (all three M-RoPE axes when ``pos`` is [3, T])."""
+    ids = (ids if ids is not None else embeds[:, 0]).double()
+    pos = pos.double() if pos.dim() == 1 else pos[0].double() * 1e6 + pos[1].double() * 1e3 + pos[2].double()
     return torch.stack([ids, pos, ids * pos, torch.ones_like(ids)], dim=1)
+
+
+def _image_prompt(num_tokens: int, images: list[tuple[int, int, int]]):
+    """A prompt's placeholder embeddings (one element per row: text rows their token id, image rows a
+    value of their own) and its M-RoPE positions from vLLM's Qwen3-VL (``images``: (offset, grid h,
+    grid w) in merged tokens, each image ``h x w`` tokens)."""
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+
+    embeds = torch.arange(num_tokens, dtype=torch.float64) % 8000
+    features = []
+    for offset, h, w in images:
+        embeds[offset:offset + h * w] = 10_000 + torch.arange(h * w, dtype=torch.float64)
+        features.append(SimpleNamespace(modality="image", mm_position=SimpleNamespace(offset=offset),
+                                        data={"image_grid_thw": SimpleNamespace(data=torch.tensor([1, 2 * h, 2 * w]))}))
+    config = SimpleNamespace(video_token_id=-2, vision_start_token_id=-3, vision_end_token_id=-4,
+                             vision_config=SimpleNamespace(spatial_merge_size=2))
+    positions, _ = Qwen3VLForConditionalGeneration._get_mrope_input_positions(
+        list(range(num_tokens)), features, config)
+    return embeds, positions
 
 
 def _steps(rank, group):
@@ -107,8 +129,38 @@ def _steps(rank, group):
                          "seen": seen[-1], "t_pad": None if step.plan is None else step.plan.t_pad,
                          "force_eager": dispatched[-1], "starts": starts}
         runner.pcp_step = None  # what execute_model's finally does
+    results["images"] = _image_step(runner, seen, dispatched)
     results["drafts"] = runner.propose_draft_token_ids()
     return results
+
+
+def _image_step(runner, seen, dispatched):
+    """A split step of a vision-language model: ``inputs_embeds`` (image embeddings merged in) and [3, T]
+    M-RoPE positions instead of token ids; a fresh prompt with an image across its first block
+    boundary (pcp=2: 750 tokens) and a prompt's second chunk with an image across the chunk boundary
+    (its first rows come from the chunk before); prompt logprobs bring every row."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    num_computed, num_new = [0, 4096], np.array([3000, 4096], dtype=np.int32)
+    prompts = [_image_prompt(3000, [(600, 20, 20)]), _image_prompt(12000, [(4000, 20, 25), (6000, 8, 8)])]
+    runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12),
+                                         num_prompt_tokens=np.array([3000, 12000] + [0] * 12))
+    runner.num_prompt_logprobs, runner.speculative_config = {"req": 1}, None
+    runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
+    runner._determine_batch_execution_and_padding(0, 0, num_new, 0, False)
+    pad = 4
+    embeds = torch.cat([p[0][c:c + n] for p, c, n in zip(prompts, num_computed, num_new)] + [torch.zeros(pad)])
+    pos = torch.cat([p[1][:, c:c + n] for p, c, n in zip(prompts, num_computed, num_new)]
+                    + [torch.zeros(3, pad, dtype=torch.int64)], dim=1)
+    embeds = embeds[:, None].expand(-1, HIDDEN).contiguous()
+    with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
+        hidden = runner._model_forward(input_ids=None, positions=pos, inputs_embeds=embeds)
+    step = runner.pcp_step
+    runner.pcp_step = None
+    n = int(num_new.sum())
+    return {"hidden": hidden[:n], "expected": _expected(None, pos, embeds)[:n], "seen": seen[-1],
+            "split": step.plan.split.tolist(), "t_pad": step.plan.t_pad, "force_eager": dispatched[-1],
+            "image_rows": int((embeds[:n, 0] >= 10_000).sum()), "axes_differ": bool((pos[1] != pos[2]).any())}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -150,5 +202,11 @@ def test_split_and_unsplit_steps_through_the_runner(world_size):
         for name in ("mtp_drafts", "mtp_decode"):
             assert results[name]["split"] is None and not results[name]["force_eager"], name
             assert results[name]["seen"] == (3007 if name == "mtp_drafts" else 3005, False)
+        # images: each rank ran its rows of inputs_embeds and of the [3, T] positions; every row back
+        images = results["images"]
+        assert images["split"] == [True, True] and images["force_eager"] and images["seen"] == (images["t_pad"], True)
+        # image rows with their own h, w: 400, 404 of the straddling image (96 were in the chunk before), 64
+        assert images["image_rows"] == 400 + 404 + 64 and images["axes_differ"]
+        assert torch.equal(images["hidden"], images["expected"]), rank
         # every rank feeds rank 0's drafts into its next step
         assert torch.equal(results["drafts"], torch.full((3, 2), 100)), rank

@@ -10,6 +10,7 @@ import pytest
 from harness.dist import run_isolated
 
 ARCH = "Qwen3_6ForCausalLM"
+VL_ARCH = "Qwen3_6ForConditionalGeneration"
 OVERRIDES = {"architectures": [ARCH]}
 
 
@@ -91,6 +92,11 @@ def _configs(ckpt):
                         speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     out["mtp"] = (mtp.speculative_config.method, mtp.speculative_config.draft_model_config.architecture,
                   mtp.parallel_config.worker_cls)
+    # the vision-language class: the same PCP config handling, vLLM's multimodal config
+    vl = engine_config(ckpt, hf_overrides={"architectures": [VL_ARCH]}, prefill_context_parallel_size=2)
+    out["vl"] = (get_model_architecture(vl.model_config)[0].__name__, vl.parallel_config.worker_cls,
+                 vl.model_config.is_multimodal_model, vl.additional_config.get("gdn_prefill_backend"))
+    out["errors"]["vl_lora"] = error_of(hf_overrides={"architectures": [VL_ARCH]}, enable_lora=True)
     from qwen36_pcp.expert_memory import whole_experts_bytes
 
     out["mtp_experts_ratio"] = whole_experts_bytes(mtp) / whole_experts_bytes(cfg)
@@ -115,7 +121,7 @@ def _configs(ckpt):
 
     from qwen36_pcp import patches
 
-    del cfg, shared, mtp
+    del cfg, shared, mtp, vl
     gc.collect()
     out["serves_pcp_after"] = patches.serves_pcp()
     return out
@@ -153,6 +159,8 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "keeps every expert on every GPU" in out["errors"]["small_gpu"], out["errors"]["small_gpu"]
     assert "'moe_experts': 'sharded'" in out["errors"]["small_gpu"]
     assert "LoRA" in out["errors"]["lora"]
+    assert out["vl"] == (VL_ARCH, "qwen36_pcp.worker.PCPWorker", True, "triton")
+    assert f"with {VL_ARCH} does not support: LoRA" in out["errors"]["vl_lora"], out["errors"]["vl_lora"]
     assert "kv_transfer_config" in out["errors"]["kv_connector"]
     assert "'pooling' runner" in out["errors"]["pooling"]
     assert "1 visible GPU(s)" in out["errors"]["one_gpu"] and "= 2 ranks" in out["errors"]["one_gpu"]
@@ -241,7 +249,8 @@ def test_replicated_kv_guards_only_for_our_model(tiny_ckpt):
 
 
 # ------------------------------------------------------------------------------ the model
-def _model(ckpt, pcp):
+def _model(ckpt, pcp, arch=ARCH):
+    from harness.dist import error_of
     from tests.fake_cuda import build_model, engine_config, use_fake_cuda
 
     use_fake_cuda()
@@ -254,9 +263,10 @@ def _model(ckpt, pcp):
 
     from qwen36_pcp.model import SKIPPED_PREFIXES
 
-    cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=pcp)
+    cfg = engine_config(ckpt, hf_overrides={"architectures": [arch]}, prefill_context_parallel_size=pcp)
     model = build_model(cfg, port=29600 + pcp)
     params = {n for n, _ in model.named_parameters()}
+    visual = getattr(model, "visual", None)
     with safe_open(f"{ckpt}/model.safetensors", "pt") as f:
         names = list(f.keys())
         loaded = model.load_weights((n, f.get_tensor(n)) for n in names)
@@ -271,6 +281,9 @@ def _model(ckpt, pcp):
         "moe_classes": sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("FusedMoE")}),
         "mrope": model.get_mrope_input_positions(list(range(5)), [])[0].tolist(),
         "oot_left": sorted(op_registry_oot),
+        "visual_params": sum(n.startswith("visual.") for n in params),
+        "visual_classes": sorted({type(m).__module__.split(".")[0] for m in (visual.modules() if visual else [])}),
+        "text_only_image_error": error_of(lambda: model.get_mrope_input_positions([1, 2], [object()])),
     }
 
 
@@ -281,6 +294,7 @@ def _models(ckpt):
     from tests.fake_cuda import build_model, engine_config
 
     out = {pcp: _model(ckpt, pcp) for pcp in (1, 2)}
+    out.update({("vl", pcp): _model(ckpt, pcp, VL_ARCH) for pcp in (1, 2)})
     cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
     out["other_runner"] = error_of(lambda: build_model(cfg, as_pcp_runner=False))
     return out
@@ -312,6 +326,20 @@ def test_model_builds_and_every_tensor_is_mapped_or_skipped(models, pcp):
         assert out["linear_classes"] == ["PCPReplicatedLinear"] and out["moe_classes"] == ["WholeExpertsFusedMoE"]
     assert out["oot_left"] == []  # the PCP classes were registered only while the model was built
     assert out["mrope"] == [list(range(5))] * 3
+    assert out["visual_params"] == 0 and "for images and video use " + VL_ARCH in out["text_only_image_error"]
+
+
+@pytest.mark.parametrize("pcp", [1, 2])
+def test_vision_language_model_builds_with_pcp_layers_and_its_vision_tower(models, pcp):
+    """The vision-language class: vLLM's at pcp=1; at pcp=2 its language model has the PCP layers and
+    its vision tower stays vLLM's; every parameter, the vision tower's included, comes from the
+    checkpoint (only the MTP head, left to the drafter, is skipped)."""
+    out, text = models[("vl", pcp)], models[pcp]
+    assert out["loaded"] == out["params"], set(out["params"]) ^ set(out["loaded"])
+    assert out["visual_params"] > 0 and "qwen36_pcp" not in out["visual_classes"], out["visual_classes"]
+    for key in ("gdn", "impls", "full_rows", "linear_classes", "moe_classes", "oot_left", "mrope"):
+        assert out[key] == text[key], key  # the same layers as the text-only class
+    assert len(out["params"]) == len(text["params"]) + out["visual_params"]
 
 
 def test_per_token_metadata_features_are_named():

@@ -7,7 +7,8 @@ checkpoints, MoE and dense. It adds what vLLM 0.20.2's ``Qwen3_5*ForCausalLM`` l
 (``IsHybrid`` and the mamba-state classmethods) and text-only M-RoPE positions. At
 prefill_context_parallel_size > 1 it is built with the PCP layers (``layers.classes``: GDN, attention
 impl, narrow linear layers, and experts whole on every rank unless ``moe_experts="sharded"``); at
-pcp == 1 it is vLLM's model.
+pcp == 1 it is vLLM's model. ``Qwen3_6ForConditionalGeneration`` (``qwen3_6_vl``) is the same with
+the vision tower.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from vllm.model_executor.models.qwen3_5 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-from ..expert_memory import whole_experts_bytes
-from ..config import ARCHITECTURE, built_by_pcp_runner
-from ..layers.classes import adopt_pcp_attention
+from ..config import ARCHITECTURE, VL_ARCHITECTURE
+from .pcp_build import build_model
 
 logger = init_logger(__name__)
 
@@ -39,32 +39,12 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        pcp = vllm_config.parallel_config.prefill_context_parallel_size > 1
-        if pcp and not built_by_pcp_runner():
-            raise RuntimeError(
-                f"qwen36_pcp: {ARCHITECTURE} at prefill_context_parallel_size > 1 must be built by the PCP "
-                f"model runner, which qwen36_pcp.worker.PCPWorker builds; this worker "
-                f"(worker_cls={vllm_config.parallel_config.worker_cls!r}) built another. Leave worker_cls "
-                "unset, or build your worker class on qwen36_pcp.worker.PCPWorker.")
-        # at pcp > 1 the runner has registered the PCP layer classes (layers.classes.pcp_model_build)
-        Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
-        if getattr(self.config, "num_experts", 0):
-            self.set_moe_parameters()
-        else:  # dense (Qwen3.6-27B-style): not a mixture of experts
-            self.num_moe_layers = 0
-            self.expert_weights = []
-            self.moe_layers = []
-        if pcp:
-            adopt_pcp_attention(self)
-            experts = [m for m in self.modules() if hasattr(m, "moe_parallel_config")]
-            if experts:
-                par = experts[0].moe_parallel_config
-                size = whole_experts_bytes(vllm_config)
-                logger.info(
-                    "%s: MoE experts %s over the PCP ranks (expert TP size %d%s)", ARCHITECTURE,
-                    "sharded" if par.pcp_size > 1 else "whole on every rank, not sharded",
-                    par.tp_size, "" if size is None else f", {size / par.tp_size / 2**30:.3g} GiB per GPU",
-                )
+        def construct():
+            Qwen3_5ForCausalLMBase.__init__(self, vllm_config=vllm_config, prefix=prefix)
+            if getattr(self.config, "num_experts", 0):
+                self.set_moe_parameters()
+
+        build_model(self, vllm_config, ARCHITECTURE, construct)
 
     # ---------------------------------------------------------------- hybrid
     @classmethod
@@ -83,7 +63,8 @@ class Qwen3_6ForCausalLM(Qwen3_5MoeForCausalLM, IsHybrid, SupportsMRoPE):
     def get_mrope_input_positions(self, input_tokens, mm_features):
         """Text only: the three M-RoPE axes all carry the token position (as vLLM's Qwen3.5-VL does)."""
         if mm_features:
-            raise ValueError(f"{ARCHITECTURE} is text-only; multimodal inputs are not supported")
+            raise ValueError(f"{ARCHITECTURE} is text-only; for images and video use {VL_ARCHITECTURE} "
+                             f"(--hf-overrides '{{\"architectures\": [\"{VL_ARCHITECTURE}\"]}}')")
         positions = torch.arange(len(input_tokens), dtype=torch.int64)
         return positions.unsqueeze(0).expand(3, -1).contiguous(), 0
 

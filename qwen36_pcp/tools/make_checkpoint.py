@@ -74,15 +74,23 @@ _REAL_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "nu
 _REAL_GDN = {"head_dim": 256, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 248320}
 
+# pixels of all of a video's frames together that the video processor keeps (it shrinks the frames
+# of a larger video): the published value (about 12k tokens), and the tiny presets' (about 64k
+# tokens, so that one video can fill a long prompt)
+PUBLISHED_VIDEO_MAX_PIXELS = 25165824
+TINY_VIDEO_MAX_PIXELS = 2**27
+
 # moe: MoE or dense MLP; config_only: no weights (full size); special_start: id of <|endoftext|>,
 # the first Qwen special token (real vocabulary: 248044 of 248320).
 PRESETS: dict[str, dict[str, Any]] = {
     # like Qwen3.6-35B-A3B, tiny: 8 layers = 2 x (3 GDN + 1 attention)
     "tiny": {"moe": True, "config_only": False, "special_start": 8192 - 256, "vision": _TINY_VISION,
+             "video_max_pixels": TINY_VIDEO_MAX_PIXELS,
              "text": {**_TINY_TEXT, "num_experts": 8, "num_experts_per_tok": 2,
                       "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}},
     # like Qwen3.6-27B (dense), tiny
     "tiny-dense": {"moe": False, "config_only": False, "special_start": 8192 - 256,
+                   "video_max_pixels": TINY_VIDEO_MAX_PIXELS,
                    "vision": _TINY_VISION, "text": {**_TINY_TEXT, "intermediate_size": 512}},
     "qwen3.6-35b-a3b": {"moe": True, "config_only": True, "special_start": 248044, "vision": _REAL_VISION,
                         "text": {**_REAL_GDN, "hidden_size": 2048, "num_hidden_layers": 40,
@@ -207,7 +215,8 @@ def _side_configs(p: dict) -> dict[str, dict]:
                                      "size": {"longest_edge": 16777216, "shortest_edge": 65536}},
         "video_preprocessor_config.json": {
             **common, "video_processor_type": "Qwen3VLVideoProcessor",
-            "size": {"longest_edge": 25165824, "shortest_edge": 4096}, "fps": 2, "min_frames": 4,
+            "size": {"longest_edge": p.get("video_max_pixels", PUBLISHED_VIDEO_MAX_PIXELS), "shortest_edge": 4096},
+            "fps": 2, "min_frames": 4,
             "max_frames": 768},
     }
 

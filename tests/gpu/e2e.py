@@ -72,17 +72,28 @@ def request_outputs(results):
     return out
 
 
-def spec_batches(spec: dict) -> list[list[list[int]]]:
-    """A spec's batches of token-id prompts: ``batches`` (a batch may be one prompt), or ``prompts``."""
+def spec_batches(spec: dict) -> list[list]:
+    """A spec's batches of prompts (token ids, or ``media.vision_prompt`` dicts): ``batches`` (a batch
+    may be one prompt), or ``prompts``."""
     batches = spec.get("batches", [spec.get("prompts", [])])
     return [[b] if b and isinstance(b[0], int) else b for b in batches]
+
+
+def engine_prompt(prompt):
+    """What ``LLM.generate`` takes for a spec's prompt: token ids, with images and videos if any."""
+    from vllm.inputs import TokensPrompt
+
+    if isinstance(prompt, dict):
+        from tests.media import multi_modal_data
+
+        return TokensPrompt(prompt_token_ids=prompt["ids"], multi_modal_data=multi_modal_data(prompt))
+    return TokensPrompt(prompt_token_ids=prompt)
 
 
 def run_engine(spec: dict) -> dict:
     if spec.get("engine_core_in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     drafts_log = None
     if spec.get("record_drafts"):
@@ -102,7 +113,7 @@ def run_engine(spec: dict) -> dict:
               "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens}
     for batch in spec_batches(spec):
         t1 = time.time()
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+        res = llm.generate([engine_prompt(p) for p in batch], sp, use_tqdm=False)
         result["runs"].append({"outputs": request_outputs(res), "seconds": time.time() - t1})
     if drafts_log is not None:
         per_rank = [_drafts_per_request(f) for f in sorted(drafts_log.parent.glob(drafts_log.name + ".*"))]
@@ -140,10 +151,9 @@ def _abort_mid_prefill(llm, spec):
 def _max_tokens_one(llm, spec):
     """The first batch again with max_tokens=1: how many tokens each prompt got."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     first = spec_batches(spec)[0]
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in first],
+    res = llm.generate([engine_prompt(p) for p in first],
                        SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     return [len(r.outputs[0].token_ids) for r in res]
 
@@ -198,10 +208,9 @@ def _spec_decode_metrics(llm, spec):
 def _seeded_sampling(llm, spec):
     """The first batch sampled at temperature 1 with a seed per request: the tokens."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     first = spec_batches(spec)[0]
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in first],
+    res = llm.generate([engine_prompt(p) for p in first],
                        [SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=16)
                         for i in range(len(first))], use_tqdm=False)
     return [list(r.outputs[0].token_ids) for r in res]
@@ -280,10 +289,10 @@ def cli_flags(llm_kwargs: dict) -> list[str]:
     return args
 
 
-def pcp_serve_args(ckpt: str, gpus: str, pcp: int, max_model_len: int) -> list[str]:
+def pcp_serve_args(ckpt: str, gpus: str, pcp: int, max_model_len: int, overrides: dict = OVERRIDES) -> list[str]:
     """``vllm serve`` arguments for our model at ``pcp`` ranks: on GPU 0 with host-memory collectives
     when the pool gave the server fewer GPUs than ranks (``on_shared_gpu`` for a server)."""
-    args = [ckpt, "--hf-overrides", json.dumps(OVERRIDES), "-pcp", str(pcp),
+    args = [ckpt, "--hf-overrides", json.dumps(overrides), "-pcp", str(pcp),
             "--max-model-len", str(max_model_len)]
     if len(gpus.split(",")) < pcp:
         args += cli_flags(on_shared_gpu({"llm": {}})["llm"])
@@ -387,7 +396,7 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
 # package files that cannot change an engine's answers (the checkpoint maker: its output is hashed)
 NOT_IN_FINGERPRINT = ("qwen36_pcp/tools/",)
 # the test-side code that runs inside engines
-ENGINE_SIDE = ("tests/gpu/e2e.py", "harness/shared_gpu.py", "tests/gpu/layer_dump.py")
+ENGINE_SIDE = ("tests/media.py", "tests/gpu/e2e.py", "harness/shared_gpu.py", "tests/gpu/layer_dump.py")
 
 
 def fingerprint(spec: dict) -> dict:

@@ -1,0 +1,112 @@
+"""The vision encoder split over the PCP ranks (``qwen36_pcp.layers.vision_split``).
+
+Two halves of one claim, both against the whole batch encoded at once:
+- vLLM's own Qwen3-VL vision tower (the tiny checkpoint's, float32 on the CPU) gives, for every rank's
+  share of the frames encoded apart, exactly the rows of the whole batch: frames are independent in
+  it (and a share that cut a frame, or mislabelled a share's grids, would not be);
+- on real gloo ranks (vLLM's GroupCoordinator, 2, 4 and 8 ranks), the shares, the padded all-gather
+  and the item split give every rank every item's embeddings in order, ranks without frames
+  included, with a stand-in tower that is frame-local as the real one is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from harness.dist import run_distributed, run_isolated
+from qwen36_pcp.layers.vision_split import frame_bounds, frame_shares, sub_grids
+
+# an image, a video, a small image, a video (grids in patches: [t, h, w])
+BATCH = [[1, 16, 16], [12, 8, 12], [1, 8, 8], [6, 16, 20]]
+MERGE = 4  # patches per output row (spatial merge 2 x 2)
+
+
+def test_frame_bounds_balance_patches_in_order():
+    weights = [h * w for t, h, w in BATCH for _ in range(t)]
+    for world in (1, 2, 3, 4, 8):
+        bounds = frame_bounds(BATCH, world)
+        assert bounds[0] == 0 and bounds[-1] == len(weights) and all(np.diff(bounds) >= 0)
+        shares = [sum(weights[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        assert max(shares) <= sum(weights) / world + max(weights), (world, shares)
+    assert sub_grids(BATCH, 0, 1) == [[1, 16, 16]]
+    assert sub_grids(BATCH, 3, 16) == [[10, 8, 12], [1, 8, 8], [2, 16, 20]]
+    assert sorted(np.diff(frame_bounds([[1, 16, 16]], 4)).tolist()) == [0, 0, 0, 1]  # one image: one rank
+
+
+def _real_tower(ckpt: str) -> dict:
+    from tests.fake_cuda import engine_config, use_fake_cuda
+
+    use_fake_cuda()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
+
+    from tests.fake_cuda import free_port
+
+    cfg = engine_config(ckpt, hf_overrides={"architectures": ["Qwen3_6ForConditionalGeneration"]},
+                        mm_encoder_attn_backend="TORCH_SDPA")
+    vision = cfg.model_config.hf_config.vision_config
+    torch.manual_seed(0)
+    with set_current_vllm_config(cfg), torch.device("cpu"):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
+        initialize_model_parallel(1, 1, backend="gloo")
+        tower = Qwen3_VisionTransformer(vision, prefix="visual")
+        for p in tower.parameters():
+            p.data.normal_(0, 0.05)
+        process_weights_after_loading(tower, cfg.model_config, torch.device("cpu"))
+    pixels = torch.randn(sum(t * h * w for t, h, w in BATCH), 3 * vision.temporal_patch_size * vision.patch_size ** 2)
+    out = {}
+    with set_current_vllm_config(cfg), torch.inference_mode():
+        whole = tower(pixels, grid_thw=BATCH)
+        for world in (2, 4, 8):
+            parts = [tower(pixels[patches], grid_thw=grids) for patches, grids in frame_shares(BATCH, world) if grids]
+            out[world] = (torch.cat(parts) - whole).abs().max().item()
+        # a share that cuts the video's frames in the middle of a frame gives other rows
+        cut = 16 * 16 + 8 * 12 + 40
+        broken = torch.cat([tower(pixels[:cut], grid_thw=[[1, 16, 16], [1, 8, 12], [1, 4, 10]]),
+                            tower(pixels[cut:], grid_thw=[[1, 4, 14], [10, 8, 12], [1, 8, 8], [6, 16, 20]])])
+    out["broken"] = (broken - whole).abs().max().item() if broken.shape == whole.shape else float("inf")
+    out["rows"], out["scale"] = whole.shape[0], whole.abs().mean().item()
+    return out
+
+
+def test_real_tower_encodes_frames_apart_exactly(tmp_path):
+    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "tiny", preset="tiny", seed=0)
+    out = run_isolated(_real_tower, str(ckpt))
+    assert out["rows"] == sum(t * h * w for t, h, w in BATCH) // MERGE and out["scale"] > 0
+    for world in (2, 4, 8):
+        assert out[world] == 0.0, (world, out)
+    assert out["broken"] > 1e-3 * out["scale"], out
+
+
+def _frame_local(pixels: torch.Tensor, grids) -> torch.Tensor:
+    """Stand-in tower: each output row sums its 4 merged patches' first 3 features and adds its frame's
+    mean (frame-local, like the real tower's attention), float64."""
+    out, at = [], 0
+    for t, h, w in grids:
+        for _ in range(t):
+            frame = pixels[at: at + h * w, :3]
+            out.append(frame.reshape(-1, MERGE, 3).sum(1) + frame.mean(0))
+            at += h * w
+    return torch.cat(out)
+
+
+def _split(rank, group, batch):
+    from qwen36_pcp.layers.vision_split import encode_split
+
+    pixels = torch.arange(sum(t * h * w for t, h, w in batch) * 5, dtype=torch.float64).reshape(-1, 5).sin()
+    items = encode_split(_frame_local, pixels, batch, MERGE, 3, group)
+    whole = _frame_local(pixels, batch).split([t * h * w // MERGE for t, h, w in batch])
+    return {"equal": all(torch.equal(a, b) for a, b in zip(items, whole)), "num_items": len(items)}
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_split_encoding_gives_every_rank_every_item(world_size):
+    for batch in (BATCH, [[1, 16, 16]], [[3, 8, 8], [1, 8, 8]]):  # the last two: ranks without frames
+        for rank, out in enumerate(run_distributed(_split, world_size, batch)):
+            assert out == {"equal": True, "num_items": len(batch)}, (world_size, batch, rank, out)
