@@ -282,6 +282,7 @@ def _model(ckpt, pcp, arch=ARCH):
         "mrope": model.get_mrope_input_positions(list(range(5)), [])[0].tolist(),
         "oot_left": sorted(op_registry_oot),
         "visual_params": sum(n.startswith("visual.") for n in params),
+        "split_encoder": getattr(model, "split_encoder", None),
         "visual_classes": sorted({type(m).__module__.split(".")[0] for m in (visual.modules() if visual else [])}),
         "text_only_image_error": error_of(lambda: model.get_mrope_input_positions([1, 2], [object()])),
     }
@@ -337,6 +338,7 @@ def test_vision_language_model_builds_with_pcp_layers_and_its_vision_tower(model
     out, text = models[("vl", pcp)], models[pcp]
     assert out["loaded"] == out["params"], set(out["params"]) ^ set(out["loaded"])
     assert out["visual_params"] > 0 and "qwen36_pcp" not in out["visual_classes"], out["visual_classes"]
+    assert out["split_encoder"] is (pcp > 1)  # the encoder split over the ranks at pcp > 1 (the default)
     for key in ("gdn", "impls", "full_rows", "linear_classes", "moe_classes", "oot_left", "mrope"):
         assert out[key] == text[key], key  # the same layers as the text-only class
     assert len(out["params"]) == len(text["params"]) + out["visual_params"]

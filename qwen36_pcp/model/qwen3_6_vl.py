@@ -75,8 +75,9 @@ class Qwen3_6ForConditionalGeneration(Qwen3_5MoeForConditionalGeneration):
         """vLLM's encoding of a batch of items (the tower, or with ``mm_encoder_tp_mode="data"`` its
         sharding over the TP group), on this rank's share of the frames."""
         def encode(local_pixels, grids):
-            if self.use_data_parallel:
-                return torch.cat(run_dp_sharded_mrope_vision_model(self.visual, local_pixels, grids,
+            if self.use_data_parallel:  # frame by frame: vLLM balances whole items over the TP ranks
+                frames = [[1, h, w] for t, h, w in grids for _ in range(t)]
+                return torch.cat(run_dp_sharded_mrope_vision_model(self.visual, local_pixels, frames,
                                                                    rope_type="rope_3d"))
             return self.visual(local_pixels, grid_thw=grids)
 

@@ -149,8 +149,9 @@ def test_mtp_at_pcp_matches_pcp1(engine_pool):
             failed.append(f"{name}: not bit for bit (answers {r['identical']}, drafts {r['drafts_identical']})")
         if r["draft_steps"] == 0:
             failed.append(f"{name}: no drafts logged")
-        if not (b["drafts_ranks_agree"] and b["drafts_ranks"] == ENGINES[name][2] * ENGINES[name][3]):
-            failed.append(f"{name}: the ranks fed different drafts ({b['drafts_ranks']} ranks logged)")
+        logged = results[name]
+        if not (logged["drafts_ranks_agree"] and logged["drafts_ranks"] == ENGINES[name][2] * ENGINES[name][3]):
+            failed.append(f"{name}: the ranks fed different drafts ({logged['drafts_ranks']} ranks logged)")
         accepted = "vllm:spec_decode_num_accepted_tokens"
         if r["spec_decode"].get(accepted) != r["spec_decode_ref"].get(accepted):
             failed.append(f"{name}: accepted tokens {r['spec_decode'].get(accepted)} vs "
@@ -206,7 +207,42 @@ def test_mtp_chunked_prompt_alone(engine_pool):
     for name in outs:
         assert report[name]["ok"] and report[name]["nonfinite"] == 0, (name, report[name])
     assert outs["chunked_pcp2"] == outs["chunked_after_history_pcp2"]
-    assert report["accepted"][0] == report["accepted"][1] and report["accepted"][0], report["accepted"]
+    assert report["accepted"][1] and (report["accepted"][0] == report["accepted"][1] or not report["identical"]), report["accepted"]
+
+
+# prefix-cache hits with MTP: a 12000-token prompt, then two requests that continue it (the accepting
+# head, K = 3, prefix caching on), at pcp=1 and pcp=2
+PREFIX = {"prefix_mtp_pcp1": 1, "prefix_mtp_pcp2": 2}
+
+
+def prefix_jobs():
+    vocab = e2e.vocab_size(e2e.checkpoint("tiny"))
+    prompt, more, other = e2e.prompt_ids((12000, 600, 300), vocab, seed=16)
+    jobs = {}
+    for name, pcp in PREFIX.items():
+        llm = mtp_llm(draftable_checkpoint(), 3, pcp=pcp, enable_prefix_caching=True)
+        jobs[name] = ({"llm": llm, "engine_core_in_process": True, "record_drafts": True,
+                       "batches": [[prompt], [prompt + more, prompt + other]], "actions": ["spec_decode_metrics"]}, pcp)
+    return jobs
+
+
+@pytest.mark.engine_jobs(builder=prefix_jobs)
+def test_mtp_prefix_cache_hits(engine_pool):
+    """Requests that hit the prefix cache with MTP on: pcp=2 within vLLM's rule of pcp=1, the same hits,
+    the ranks' drafts the same, and pcp=1's accepted drafts where the answers are the same bits (a
+    12000-token prompt in 16384-token steps runs the chunk after a hit short, which rounds apart)."""
+    ref, r = e2e.result(engine_pool, "prefix_mtp_pcp1"), e2e.result(engine_pool, "prefix_mtp_pcp2")
+    c = e2e.compare(e2e.outputs(ref), e2e.outputs(r))
+    accepted = "vllm:spec_decode_num_accepted_tokens"
+    report = {**c, "identical": e2e.outputs(ref) == e2e.outputs(r),
+              "cached": [[o["num_cached_tokens"] for o in e2e.outputs(x, [1])] for x in (ref, r)],
+              "accepted": [x["spec_decode_metrics"].get(accepted) for x in (ref, r)]}
+    e2e.save("mtp_prefix", report)
+    print(f"[mtp prefix] {report}")
+    assert c["ok"] and c["nonfinite"] == 0, report
+    assert report["cached"][0] == report["cached"][1] and all(n > 0 for n in report["cached"][1]), report
+    assert report["accepted"][1] and (report["accepted"][0] == report["accepted"][1] or not report["identical"]), report
+    assert r["drafts_ranks_agree"] and r["drafts_ranks"] == 2, report
 
 
 if __name__ == "__main__":  # the draftable checkpoint alone (to look at it)
