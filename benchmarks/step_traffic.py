@@ -57,16 +57,19 @@ def attention(plan: PCPPlan, s: LayerShape) -> list[Call]:
 
 
 def _conv_halo(plan: PCPPlan, s: LayerShape) -> Call:
-    """``gdn_cp.conv_with_halo``: each segment's last width-1 inputs (every rank has as many segments)."""
-    return ("all_gather", len(plan.segments[0]) * (s.conv_width - 1) * s.conv_dim * s.act_bytes, -1)
+    """``gdn_cp.conv_with_halo``: each segment's last width-1 inputs (as many segments as the rank that
+    has the most)."""
+    return ("all_gather", plan.max_segments * (s.conv_width - 1) * s.conv_dim * s.act_bytes, -1)
 
 
 def _replicated_states(plan: PCPPlan, s: LayerShape, rank: int) -> list[Call]:
-    reps = sum(seg.block < 0 for seg in plan.segments[rank])
+    reps = plan.num_replicated  # the requests a rank owns (decode="spread") keep their states there
     return [("broadcast", reps * s.state_bytes, 0)] if reps else []
 
 
 def gdn(plan: PCPPlan, s: LayerShape, mode: str, rank: int) -> list[Call]:
+    if plan.decode_spread_only:  # vLLM's decode kernels on the rank's own rows
+        return []
     if mode == "island":  # mixed_qkv, b, a of the local rows
         heads = s.gdn_v_heads * s.act_bytes
         return [("all_gather", plan.t_pad * s.conv_dim * s.act_bytes, -1),

@@ -49,11 +49,15 @@ class ShapeKernels:
 
 def _every_mode(rank, group):
     """``_issued`` for every GDN mode and layout, in one set of ranks."""
-    return {(mode, layout): _issued(rank, group, mode, layout) for mode in ("relay", "state_passing", "island")
-            for layout in ("zigzag", "contiguous")}
+    cases = {(mode, layout): _issued(rank, group, mode, layout) for mode in ("relay", "state_passing", "island")
+             for layout in ("zigzag", "contiguous")}
+    # decode="spread": the decode row on rank 1 alone
+    cases.update({(mode, "spread"): _issued(rank, group, mode, "zigzag", owner=[1, -1, -1, -1])
+                  for mode in ("relay", "state_passing", "island")})
+    return cases
 
 
-def _issued(rank, group, mode, layout):
+def _issued(rank, group, mode, layout, owner=None):
     """Each layer kind's calls as this rank's contexts recorded them, with the model's for the same plan."""
     from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.layers.context import PCPContext
@@ -62,7 +66,7 @@ def _issued(rank, group, mode, layout):
     from qwen36_pcp.plan import PCPPlan
 
     s = SHAPE
-    plan = PCPPlan(*BATCH, group.world_size, rank, PCPConfig(layout=layout, min_split_tokens=512))
+    plan = PCPPlan(*BATCH, group.world_size, rank, PCPConfig(layout=layout, min_split_tokens=512), owner)
     assert plan.split.tolist() == [False, False, True, True]
     t, reqs = plan.t_pad, plan.num_reqs
 

@@ -16,11 +16,11 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.import_utils import resolve_obj_by_qualname
 
 from .config import (
-    ARCHITECTURE,
     ARCHITECTURES,
     MTP_DRAFTERS,
     MTP_METHOD,
     OPTIONS_KEY,
+    VL_ARCHITECTURE,
     PCPConfig,
     below_split_floor,
     misspelled_option_keys,
@@ -42,7 +42,9 @@ def validate_pcp_config(vllm_config) -> None:
     pc = vllm_config.parallel_config
     problems = []
     try:
-        pcp_config_of(vllm_config)
+        config = pcp_config_of(vllm_config)
+        problems += spread_decode_problems(vllm_config, config)
+        warn_encoder_graphs(vllm_config, config)
     except ValueError as e:
         problems.append(str(e))
     if pc.decode_context_parallel_size > 1:
@@ -89,6 +91,31 @@ def validate_pcp_config(vllm_config) -> None:
             f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
             f"{our_architecture(vllm_config)} does not support: " + "; ".join(problems) + "."
         )
+
+
+def warn_encoder_graphs(vllm_config, config: PCPConfig) -> None:
+    """vLLM's vision-encoder CUDA graphs (``cudagraph_mm_encoder``) run the tower on every rank before
+    the split encoder is reached: the answers are right, the split's time is not saved."""
+    if (our_architecture(vllm_config) == VL_ARCHITECTURE and config.vision_encoder == "split"
+            and getattr(vllm_config.compilation_config, "cudagraph_mm_encoder", False)):
+        logger.warning("qwen36_pcp: cudagraph_mm_encoder is on, so every PCP rank encodes every image and "
+                       "video frame (vLLM's encoder graphs bypass vision_encoder='split'); turn it off to "
+                       "share the encoder over the ranks")
+
+
+def spread_decode_problems(vllm_config, config: PCPConfig) -> list[str]:
+    """``decode="spread"`` keeps a decoding request's GDN states on its owner alone
+    (``decode_owners``): what would read them on every rank is refused."""
+    if config.decode != "spread":
+        return []
+    problems = []
+    if vllm_config.speculative_config is not None:
+        problems.append("decode='spread' together with speculative decoding (verification rows read "
+                        "GDN states on every rank): use decode='replicated'")
+    if vllm_config.cache_config.enable_prefix_caching:
+        problems.append("decode='spread' together with prefix caching (hybrid prefix caching copies GDN "
+                        "states on every rank): use decode='replicated' or --no-enable-prefix-caching")
+    return problems
 
 
 def speculative_problems(vllm_config) -> list[str]:
@@ -314,7 +341,7 @@ def no_gpu_message(pcp: int, tp: int, device_type: str) -> str | None:
     else:
         where = f"no GPU is visible (CUDA not available: {_nvidia_driver_status()})"
     return (f"qwen36_pcp: prefill_context_parallel_size={pcp} x tensor_parallel_size={tp} needs "
-            f"{pcp * tp} NVIDIA GPUs (one per rank) for {ARCHITECTURE}; {where}. Start it on a machine "
+            f"{pcp * tp} NVIDIA GPUs (one per rank); {where}. Start it on a machine "
             f"where nvidia-smi lists {pcp * tp} GPUs.")
 
 
@@ -357,7 +384,7 @@ def nnodes_message(tp: int, pp: int, dp: int, pcp: int, nnodes: int) -> str | No
     return (f"qwen36_pcp: vLLM 0.20.2 needs tensor_parallel_size x pipeline_parallel_size x "
             f"data_parallel_size to be a multiple of nnodes (it leaves prefill_context_parallel_size out "
             f"of that check): {tp} x {pp} x {dp} = {counted} is not a multiple of nnodes={nnodes} "
-            f"(prefill_context_parallel_size={pcp}). To run {ARCHITECTURE} with PCP across nodes, {how}, "
+            f"(prefill_context_parallel_size={pcp}). To run PCP across nodes, {how}, "
             f"e.g. -tp {tp_fix} -pcp {pcp} --nnodes {nnodes} ({then}); see docs/multi-node.md.")
 
 

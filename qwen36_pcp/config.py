@@ -21,6 +21,7 @@ LAYOUTS = ("zigzag", "contiguous")
 GDN_MODES = ("relay", "state_passing", "island")
 MOE_EXPERTS = ("replicated", "sharded")
 VISION_ENCODER = ("split", "replicated")
+DECODE = ("replicated", "spread")
 
 # vLLM's name for a drafter built from the checkpoint's own ``mtp.*`` head, and the draft architectures
 # that Qwen3.5 / Qwen3.6 checkpoints become (``SpeculativeConfig.hf_config_override``)
@@ -46,6 +47,9 @@ class PCPConfig:
     # the vision-language class: each rank encodes its share of a step's frames (layers/vision_split.py),
     # or every rank encodes every image and video (pcp=1's bits)
     vision_encoder: str = "split"
+    # decode rows: computed by every rank (pcp=1's bits), or each by the one rank that owns the request
+    # while it decodes (``decode_owners.py``): a rank's decode step then computes about 1/N of the rows
+    decode: str = "replicated"
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -62,6 +66,8 @@ class PCPConfig:
             raise ValueError(
                 f"qwen36_pcp: vision_encoder must be one of {VISION_ENCODER}, got {self.vision_encoder!r}"
             )
+        if self.decode not in DECODE:
+            raise ValueError(f"qwen36_pcp: decode must be one of {DECODE}, got {self.decode!r}")
         if not isinstance(self.min_split_tokens, int) or self.min_split_tokens < 1:
             raise ValueError(
                 f"qwen36_pcp: min_split_tokens must be an integer >= 1, got {self.min_split_tokens!r}"

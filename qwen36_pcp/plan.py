@@ -17,6 +17,9 @@ than one 64-token GDN chunk per block) is *split*: its new tokens are cut into b
 N blocks, rank r owns block r). Every other request (decode rows, short prompts) is *replicated*: each
 rank computes it in full, and rank 0's copy is the primary one: its K/V, conv and SSM states and its
 hidden state are the ones kept on every rank, so a split step leaves the same caches on every rank.
+With ``decode="spread"`` a decoding request is *owned* instead (``owner``, from ``decode_owners``):
+only its owner computes its row; its K/V is still written on every rank, its GDN states only on the
+owner, where they stay while it decodes.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Segment:
     req: int
     start: int
     end: int
-    block: int  # block index within a split request; -1 for a replicated request
+    block: int  # block index within a split request; -1 for a replicated or owned request
 
     @property
     def length(self) -> int:
@@ -108,6 +111,8 @@ class PCPPlan:
         world_size: int,
         rank: int,
         config: PCPConfig = PCPConfig(),
+        owner: np.ndarray | None = None,
+        handover: np.ndarray | None = None,
     ):
         self.num_computed = np.asarray(num_computed, dtype=np.int64)
         self.num_new = np.asarray(num_new, dtype=np.int64)
@@ -127,6 +132,17 @@ class PCPPlan:
         threshold = config.split_threshold(self.world_size)
         self.split = (self.num_new >= threshold) & (self.world_size > 1)
         self.split_reqs = np.flatnonzero(self.split)
+        # the rank that alone computes each request (decode="spread"), -1: replicated or split
+        self.owner = np.full(self.num_reqs, -1, dtype=np.int64) if owner is None else np.asarray(owner, np.int64)
+        if self.owner.shape != self.num_new.shape or (self.owner >= self.world_size).any() or (
+                (self.owner >= 0) & self.split).any():
+            raise ValueError("owner must give each request a rank, or -1 (replicated or split)")
+        # the rank whose GDN states of a request every rank needs first (``DecodeOwners``), -1: none
+        handover = np.full(self.num_reqs, -1, dtype=np.int64) if handover is None else np.asarray(handover, np.int64)
+        if handover.shape != self.num_new.shape or (handover >= self.world_size).any() or (
+                (handover >= 0) & (self.owner >= 0)).any():
+            raise ValueError("handover must name a rank only for requests without an owner")
+        self.handovers = [(int(i), int(handover[i])) for i in np.flatnonzero(handover >= 0)]
         self.block_bounds = {
             int(i): block_bounds(int(self.num_new[i]), self.num_blocks) for i in self.split_reqs
         }
@@ -139,9 +155,11 @@ class PCPPlan:
 
     # ------------------------------------------------------------------ layout
     def _segments_of(self, r: int) -> list[Segment]:
-        """Replicated requests first, then rank r's runs of blocks in chain order, each run request by
-        request (``run_rows``: a run's rows are contiguous, a request's blocks in it adjacent)."""
-        segs = [Segment(int(i), 0, int(self.num_new[i]), -1) for i in np.flatnonzero(~self.split)]
+        """Replicated requests first, then the requests rank r owns, then rank r's runs of blocks in
+        chain order, each run request by request (``run_rows``: a run's rows are contiguous, a
+        request's blocks in it adjacent)."""
+        whole = np.flatnonzero(~self.split & (self.owner < 0)).tolist() + np.flatnonzero(self.owner == r).tolist()
+        segs = [Segment(int(i), 0, int(self.num_new[i]), -1) for i in whole]
         for owner, first, last in self.summary_runs:
             if owner != r:
                 continue
@@ -162,7 +180,7 @@ class PCPPlan:
                 offs.append(row)
                 full = self.req_start[s.req] + np.arange(s.start, s.end)
                 self.local_full_idx[r, row : row + s.length] = full
-                self.primary[r, row : row + s.length] = s.block >= 0 or r == 0
+                self.primary[r, row : row + s.length] = s.block >= 0 or r == max(int(self.owner[s.req]), 0)
                 row += s.length
             offs.append(row)
             self.seg_offsets.append(np.asarray(offs, dtype=np.int64))
@@ -177,6 +195,17 @@ class PCPPlan:
     @property
     def splits_any(self) -> bool:
         return bool(self.split.any())
+
+    @cached_property
+    def num_replicated(self) -> int:
+        """Requests every rank computes (first in every rank's local layout)."""
+        return int((~self.split & (self.owner < 0)).sum())
+
+    @cached_property
+    def decode_spread_only(self) -> bool:
+        """Every request is one owned row (a spread decode step): each rank runs vLLM's decode kernels
+        on its own rows, with no collective but the K/V and output gathers."""
+        return bool(self.num_reqs) and bool((self.owner >= 0).all()) and bool((self.num_new == 1).all())
 
     @property
     def local_segments(self) -> list[Segment]:
@@ -266,12 +295,12 @@ class PCPPlan:
         """Where each conv input needed across segment boundaries comes from.
 
         Index space (rows of [D]-vectors): ``tails`` of every rank's segments first (rank-major,
-        segment, width-1 rows each: the segment's last width-1 inputs), then the cached conv state of
-        every request (width-1 rows each, oldest first), then one zero row.
+        ``max_segments`` slots of width-1 rows each: a segment's last width-1 inputs), then the cached
+        conv state of every request (width-1 rows each, oldest first), then one zero row.
         """
         r = self.rank if r is None else r
         w1 = width - 1
-        num_segs = len(self.segments[0])
+        num_segs = self.max_segments
         tails_rows = self.world_size * num_segs * w1
         zero_row = tails_rows + self.num_reqs * w1
 
@@ -287,7 +316,7 @@ class PCPPlan:
                 owner = block_owner(b, self.world_size, self.config.layout)
                 end = int(bounds[b + 1])
             else:
-                b, owner, end = -1, 0, int(self.num_new[i])
+                b, owner, end = -1, max(int(self.owner[i]), 0), int(self.num_new[i])
             slot = self.slot_of[owner][(i, b)]
             off = p - (end - w1)
             assert 0 <= off < w1, "conv halo reaches past the tail of its segment"
@@ -303,10 +332,17 @@ class PCPPlan:
         ).reshape(-1, w1)
         return ConvSources(halo, final)
 
+    @cached_property
+    def max_segments(self) -> int:
+        """Segments of the rank that has the most (ranks own different numbers of requests)."""
+        return max(len(segs) for segs in self.segments)
+
     def tail_rows(self, width: int, r: int | None = None) -> np.ndarray:
-        """[S_r, width-1] local rows holding each segment's last width-1 inputs (clamped in range)."""
+        """[max_segments, width-1] local rows holding each segment's last width-1 inputs (clamped in
+        range; slots past rank r's segments repeat row 0, so that every rank gathers as many)."""
         r = self.rank if r is None else r
         w1 = width - 1
         ends = self.seg_offsets[r][1:]
         rows = ends[:, None] - w1 + np.arange(w1)[None, :]
+        rows = np.concatenate([rows, np.zeros((self.max_segments - len(ends), w1), dtype=rows.dtype)])
         return np.clip(rows, 0, max(self.t_pad - 1, 0)).astype(np.int64)

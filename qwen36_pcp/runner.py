@@ -7,7 +7,9 @@ captured for whole-batch sizes; the torch.compile'd graph still runs), each rank
 rows with the step's ``PCPContext`` in vLLM's forward context, and one all-gather brings every rank
 the rows vLLM reads next (each request's last row; every row when a request wants prompt logprobs), so
 sampling, logprobs and prompt logprobs see what they see at pcp == 1. An unsplit step (decode, short
-prompts) runs on every rank as at pcp == 1 and takes the rows that get sampled from rank 0.
+prompts) runs on every rank as at pcp == 1 and takes the rows that get sampled from rank 0; with
+``decode="spread"`` a step's decode rows go each to its request's owner instead, through the same
+path as a split step.
 
 KV cache: vLLM 0.20.2 would shard it over the PCP ranks (and rejects hybrid models); here every rank
 holds the whole cache and every request's GDN states, so the block tables and slot mapping are
@@ -29,6 +31,7 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .config import PCPConfig, pcp_config_of
+from .decode_owners import DecodeOwners
 from .layers.classes import adopt_pcp_attention, pcp_model_build
 from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
@@ -74,6 +77,8 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_config: PCPConfig = pcp_config_of(vllm_config)
         self.pcp_group = get_pcp_group()
         self.pcp_step: PCPStep | None = None
+        self.decode_owners = (DecodeOwners(self.pcp_group.world_size)
+                              if self.pcp_config.decode == "spread" else None)
 
     # ------------------------------------------------------------------ replicated KV cache
     def _replicate_block_tables(self) -> None:
@@ -95,7 +100,10 @@ class PCPModelRunner(GPUModelRunner):
 
     def _plan(self, num_new: np.ndarray) -> PCPPlan | None:
         """The step's plan, or None when the step stays whole: no request has enough new tokens to
-        split, or (speculative decoding) a request is past its prompt.
+        split and (``decode="spread"``) none decodes, or (speculative decoding) a request is past its
+        prompt. With ``decode="spread"`` each decode row goes to its request's owner
+        (``decode_owners``), and a step that hands a request's states over from its owner is planned
+        (the GDN layers broadcast them first) even when nothing splits.
 
         With speculative decoding, a step with any row past its prompt (decode rows, the drafts'
         verification rows) stays whole: the GDN layers keep those rows' states in a separate index
@@ -103,18 +111,26 @@ class PCPModelRunner(GPUModelRunner):
         counts drafts not yet verified (vLLM corrects it on the GPU after the step is launched), so the
         plan, made on the host, is exact only for prompt tokens."""
         world = self.pcp_group.world_size
-        if not self.pcp_config.step_splits(num_new, world):
-            return None
         num_reqs = len(num_new)
         num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        owner = handover = None
+        if self.decode_owners is not None:
+            req_ids = self.input_batch.req_ids[:num_reqs]
+            owner, handover = self.decode_owners.step(
+                req_ids, num_computed, num_new, self.input_batch.num_prompt_tokens[:num_reqs],
+                np.array([self.requests[r].num_tokens for r in req_ids]), self.requests)
+        if not self.pcp_config.step_splits(num_new, world) and (
+                owner is None or not ((owner >= 0).any() or (handover >= 0).any())):
+            return None
         if self.speculative_config is not None and np.any(
                 num_computed + num_new > self.input_batch.num_prompt_tokens[:num_reqs]):
             return None
-        return PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config)
+        return PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config, owner,
+                       handover)
 
     def _determine_batch_execution_and_padding(self, *args, force_eager: bool = False, **kwargs):
-        # CUDA graphs were captured for whole-batch sizes; a split step runs a local slice (through
-        # the compiled graph where there is one: force_eager only skips the graphs)
+        # CUDA graphs were captured for whole-batch sizes; a split or spread step runs a local slice
+        # (through the compiled graph where there is one: force_eager only skips the graphs)
         split = self.pcp_step is not None and self.pcp_step.plan is not None
         return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager or split, **kwargs)
 

@@ -50,9 +50,10 @@ def full_core(kernels, inp, w, num_computed, num_new, out_shape, dtype):
     return out, conv, ssm
 
 
-def rank_modes(rank, group, kernels, inp, w, num_computed, num_new, config, device):
-    """This rank's GDN core in every mode -> (full index of each local row, {mode: (out, conv, ssm)})."""
-    plan = PCPPlan(num_computed, num_new, group.world_size, rank, config)
+def rank_modes(rank, group, kernels, inp, w, num_computed, num_new, config, device, owner=None):
+    """This rank's GDN core in every mode -> (full index of each local row, {mode: (out, conv, ssm)});
+    ``owner``: the rank that alone computes each request (decode="spread"), -1 elsewhere."""
+    plan = PCPPlan(num_computed, num_new, group.world_size, rank, config, owner)
     T = plan.num_local_tokens
     rows = torch.from_numpy(plan.local_full_idx[rank][:T]).to(device)
     hv, dv = inp["a"].shape[1], w.head_v_dim

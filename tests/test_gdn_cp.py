@@ -204,3 +204,60 @@ def test_replicated_requests_keep_rank0_states():
             torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0)
             torch.testing.assert_close(ssm, ref_ssm, rtol=1e-6, atol=2e-6)
         torch.testing.assert_close(results[0][0][mode][1], results[1][0][mode][1], rtol=0, atol=0)
+
+
+def _owned_worker(rank, group):
+    """decode="spread": decode rows owned by ranks 1, 0 and (pcp=4) 3 beside a replicated short prompt
+    and a split prompt. Every rank but a row's owner holds a stale copy of its states (as after the
+    owner decoded alone), so a row computed, or a state kept, from any copy but the owner's differs."""
+    world = group.world_size
+    num_computed, num_new = [5, 9, 0, 0, 33], [1, 1, 40, 300, 1]
+    owner = np.array([1, 0, -1, -1, world - 1])
+    inp, w = gdn_case(7, num_computed, num_new)
+    ref = full_core(TorchGDNKernels, inp, w, num_computed, num_new, (343, 4, 8), torch.float32)
+    for i in np.flatnonzero((owner >= 0) & (owner != rank)):
+        line = inp["state_idx"][i]
+        for name in ("conv_state", "ssm_state"):
+            inp[name] = inp[name].clone()
+            inp[name][line] += 0.25
+    rows, got = rank_modes(rank, group, TorchGDNKernels, inp, w, num_computed, num_new,
+                           PCPConfig(min_split_tokens=1), "cpu", owner)
+    return rows, got, ref, owner
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_owned_decode_rows_use_and_keep_the_owners_states(world_size):
+    results = run_distributed(_owned_worker, world_size)
+    for rank, (rows, got, (ref_out, ref_conv, ref_ssm), owner) in enumerate(results):
+        lines = [int(x) for x in gdn_case(7, [5, 9, 0, 0, 33], [1, 1, 40, 300, 1])[0]["state_idx"]]
+        mine = [lines[i] for i in range(5) if owner[i] in (-1, rank)]  # whole here: replicated, split, owned
+        for mode in ("relay", "state_passing", "island"):
+            out, conv, ssm = got[mode]
+            torch.testing.assert_close(out, ref_out.index_select(0, rows), rtol=1e-5, atol=2e-5)
+            torch.testing.assert_close(conv[mine], ref_conv[mine], rtol=0, atol=0)
+            torch.testing.assert_close(ssm[mine], ref_ssm[mine], rtol=1e-5, atol=2e-5)
+        # an owned row is computed on its owner alone (rows of requests 0, 1, 4: 0, 1, 342)
+        for row, o in zip((0, 1, 342), owner[[0, 1, 4]]):
+            assert (row in rows.tolist()) == (o == rank)
+
+
+def _handover_worker(rank, group):
+    """Requests 0 and 2 decoded on ranks 1 and 0 alone; every rank holds other (stale) copies of their
+    states until the hand-over."""
+    from qwen36_pcp.layers.gdn_cp import hand_over_states
+
+    plan = PCPPlan([9, 4, 30], [5, 1, 40], group.world_size, rank, PCPConfig(), handover=np.array([1, -1, 0]))
+    ctx = PCPContext(plan, group, "cpu")
+    conv = torch.full((6, 8, 3), float(rank))
+    ssm = torch.full((6, 2, 4, 4), 10.0 + rank)
+    state_idx = torch.tensor([4, 1, 2])
+    hand_over_states(ctx, (conv, ssm), state_idx)
+    return conv, ssm, ctx.bytes_sent
+
+
+def test_hand_over_sends_the_owners_states_to_every_rank():
+    for rank, (conv, ssm, sent) in enumerate(run_distributed(_handover_worker, 2)):
+        assert (conv[4] == 1).all() and (ssm[4] == 11).all()  # request 0: rank 1's
+        assert (conv[2] == 0).all() and (ssm[2] == 10).all()  # request 2: rank 0's
+        assert (conv[1] == rank).all() and (ssm[[0, 1, 3, 5]] == 10 + rank).all()  # the rest untouched
+        assert sent == (8 * 3 + 2 * 4 * 4) * 4  # each rank sources the states of one request

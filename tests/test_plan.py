@@ -22,6 +22,13 @@ def random_batches(seed, count, max_new=1200):
         yield num_computed, num_new
 
 
+def decode_owners(num_new, world_size, seed):
+    """A random owner for every one-token row (decode="spread": the rows ``decode_owners`` assigns),
+    -1 elsewhere."""
+    rng = np.random.default_rng(seed)
+    return np.where(np.asarray(num_new) == 1, rng.integers(0, world_size, size=len(num_new)), -1)
+
+
 CASES = [
     (n, layout, min_split)
     for n in (2, 3, 4)
@@ -33,9 +40,10 @@ CASES = [
 @pytest.mark.parametrize("world_size,layout,min_split", CASES)
 def test_plan_properties(world_size, layout, min_split):
     cfg = PCPConfig(layout=layout, min_split_tokens=min_split)
-    seen = {"split": 0, "replicated": 0}
-    for num_computed, num_new in random_batches(world_size * 7 + min_split, 60):
-        plans = [PCPPlan(num_computed, num_new, world_size, r, cfg) for r in range(world_size)]
+    seen = {"split": 0, "replicated": 0, "owned": 0}
+    for k, (num_computed, num_new) in enumerate(random_batches(world_size * 7 + min_split, 120)):
+        owner = decode_owners(num_new, world_size, k) if k % 2 else None  # decode="spread" every other
+        plans = [PCPPlan(num_computed, num_new, world_size, r, cfg, owner) for r in range(world_size)]
         p0 = plans[0]
         # identical on every rank (no collective needed)
         for p in plans[1:]:
@@ -52,15 +60,20 @@ def test_plan_properties(world_size, layout, min_split):
         assert (owners == 1).all()
         for i in range(p0.num_reqs):
             seg = slice(p0.req_start[i], p0.req_start[i + 1])
-            expected = 1 if p0.split[i] else world_size
+            expected = 1 if p0.split[i] or p0.owner[i] >= 0 else world_size
             assert (copies[seg] == expected).all()
+            if p0.owner[i] >= 0:  # only on its owner
+                assert np.isin(np.arange(seg.start, seg.stop), p0.local_full_idx[p0.owner[i]]).all()
         # splitting rule: requests shorter than the threshold (and decode rows) are replicated; the
         # threshold never lets a block start off the 64-token chunk grid
         threshold = max(min_split, GDN_CHUNK * cfg.num_blocks(world_size))
         assert np.array_equal(p0.split, num_new >= threshold)
         assert not p0.split[num_new == 1].any()
         seen["split"] += int(p0.split.sum())
-        seen["replicated"] += int((~p0.split).sum())
+        seen["replicated"] += int((~p0.split & (p0.owner < 0)).sum())
+        seen["owned"] += int((p0.owner >= 0).sum())
+        assert p0.num_replicated == int((~p0.split & (p0.owner < 0)).sum())
+        assert p0.decode_spread_only == bool((p0.owner >= 0).all())
         # equal padded token count, and nothing wasted beyond the largest rank
         counts = p0.tokens_per_rank()
         assert p0.t_pad == max(1, counts.max())
@@ -100,6 +113,10 @@ def test_plan_properties(world_size, layout, min_split):
             assert owner[i] == r
             if p0.split[i]:
                 assert owner[i] == (0 if layout == "zigzag" else world_size - 1)
+            elif p0.owner[i] >= 0:
+                assert owner[i] == p0.owner[i]
+            else:
+                assert owner[i] == 0
         # attention virtual sequences: query i of a segment sees keys [0, c + start + i]
         for r in range(world_size):
             seqs = p0.attention_seqs(r)
@@ -111,7 +128,7 @@ def test_plan_properties(world_size, layout, min_split):
         g = p0.gathered_full_idx()
         assert np.array_equal(np.sort(g[g >= 0]), np.arange(p0.num_tokens))
         assert np.array_equal(g[p0.gathered_of_full], np.arange(p0.num_tokens))
-    assert seen["split"] >= 10 and seen["replicated"] >= 10, seen  # both branches ran
+    assert min(seen.values()) >= 10, seen  # every branch ran
 
 
 def test_zigzag_balances_causal_work():
@@ -167,14 +184,16 @@ def test_step_splits_matches_plan():
 
 
 def test_conv_sources_point_at_the_previous_inputs():
-    """Every halo / final-state entry refers to exactly the input at position p-1, p-2, ... of its request."""
+    """Every halo / final-state entry refers to exactly the input at position p-1, p-2, ... of its request
+    (an owned row's new input on its owner: the only rank that holds it)."""
     width = 4
     for world_size, layout in itertools.product((2, 3, 4), ("zigzag", "contiguous")):
         cfg = PCPConfig(layout=layout, min_split_tokens=1)
-        for num_computed, num_new in random_batches(11 + world_size, 40):
-            plan = PCPPlan(num_computed, num_new, world_size, 0, cfg)
+        for k, (num_computed, num_new) in enumerate(random_batches(11 + world_size, 80)):
+            owner = decode_owners(num_new, world_size, k) if k % 2 else None
+            plan = PCPPlan(num_computed, num_new, world_size, 0, cfg, owner)
             w1 = width - 1
-            num_segs = len(plan.segments[0])
+            num_segs = plan.max_segments
             # what each index-space row holds: ("new", req, pos) / ("cached", req, k) / zero
             rows = {}
             for r in range(world_size):
@@ -212,6 +231,12 @@ def test_bad_config_is_rejected():
         PCPConfig(layout="ring")
     with pytest.raises(ValueError, match="gdn_mode"):
         PCPConfig(gdn_mode="ring")
+    with pytest.raises(ValueError, match="decode"):
+        PCPConfig(decode="sharded")
+    with pytest.raises(ValueError, match="owner"):  # a split request has no owner
+        PCPPlan([0], [5000], 2, 0, PCPConfig(), owner=np.array([1]))
+    with pytest.raises(ValueError, match="handover"):  # an owned request is not handed over
+        PCPPlan([9], [1], 2, 0, PCPConfig(), owner=np.array([1]), handover=np.array([1]))
     with pytest.raises(ValueError, match="moe_experts"):
         PCPConfig(moe_experts="mirrored")
     with pytest.raises(ValueError, match="unknown option"):

@@ -89,6 +89,7 @@ def _steps(rank, group):
     seen = []
     runner = object.__new__(PCPModelRunner)  # the runner's state, without vLLM's GPU buffers
     runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(min_split_tokens=512), group, None
+    runner.decode_owners = None
     runner.speculative_config = None
     runner.model, runner.device = _model(rank, seen), torch.device("cpu")
     runner._warm_pcp_collectives()  # every rank in chain order: returns (no rank waits for ever)
@@ -161,6 +162,79 @@ def _image_step(runner, seen, dispatched):
     return {"hidden": hidden[:n], "expected": _expected(None, pos, embeds)[:n], "seen": seen[-1],
             "split": step.plan.split.tolist(), "t_pad": step.plan.t_pad, "force_eager": dispatched[-1],
             "image_rows": int((embeds[:n, 0] >= 10_000).sum()), "axes_differ": bool((pos[1] != pos[2]).any())}
+
+
+def _spread_steps(rank, group):
+    """decode="spread": a decode step, a step with decode rows beside a split and a short prompt, a
+    step of a short prompt alone, through one runner."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.decode_owners import DecodeOwners
+    from qwen36_pcp.runner import PCPModelRunner
+
+    dispatched, seen = [], []
+    GPUModelRunner._prepare_inputs = lambda self, so, n: (torch.from_numpy(np.cumsum(n) - 1).to(torch.int32), None)
+    GPUModelRunner._determine_batch_execution_and_padding = (
+        lambda self, *a, force_eager=False, **kw: dispatched.append(force_eager))
+    runner = object.__new__(PCPModelRunner)
+    runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(decode="spread"), group, None
+    runner.decode_owners = DecodeOwners(group.world_size)
+    runner.speculative_config, runner.num_prompt_logprobs = None, {}
+    runner.model, runner.device = _model(rank, seen), torch.device("cpu")
+    results = {}
+    for name, req_ids, num_computed, num_new, num_prompt in (
+            ("decode", ["a", "b", "c", "d", "e"], [17, 40, 3000, 700, 9], [1] * 5, [17, 40, 3000, 700, 9]),
+            ("mixed", ["c", "a", "e", "p", "q"], [3001, 18, 10, 0, 0], [1, 1, 1, 5000, 30], [3000, 17, 9, 5000, 30]),
+            ("prompt", ["r"], [0], [30], [30]),
+            # request a, decoded on one rank, comes back with three tokens of a grown prompt
+            ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40])):
+        num_new = np.array(num_new, dtype=np.int32)
+        runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
+                                             num_prompt_tokens=np.array(num_prompt))
+        runner.requests = {r: SimpleNamespace(num_tokens=p) for r, p in zip(req_ids, num_prompt)}
+        runner.requests.update({r: SimpleNamespace(num_tokens=1) for r in "abcdepqr" if r not in req_ids})
+        logits_indices, _ = runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
+        runner._determine_batch_execution_and_padding(0, 0, num_new, 0, False)
+        ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
+        pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
+        with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
+            hidden = runner._model_forward(input_ids=ids, positions=pos)
+        plan = runner.pcp_step.plan
+        results[name] = {"hidden": hidden, "expected": _expected(ids, pos), "rows": logits_indices.long(),
+                         "owner": None if plan is None else plan.owner.tolist(), "seen": seen[-1],
+                         "handovers": None if plan is None else plan.handovers,
+                         "t_pad": None if plan is None else plan.t_pad, "force_eager": dispatched[-1]}
+        runner.pcp_step = None
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_spread_decode_steps_through_the_runner(world_size):
+    ranks = run_distributed(_spread_steps, world_size)
+    for rank, results in enumerate(ranks):
+        decode, mixed, prompt = (results[k] for k in ("decode", "mixed", "prompt"))
+        # each decode row on one rank, balanced (5 rows: 3 + 2 at pcp=2, 2 + 1 + 1 + 1 at pcp=4)
+        assert decode["owner"] == ranks[0]["decode"]["owner"]
+        assert sorted(np.bincount(decode["owner"], minlength=world_size).tolist()) == (
+            [2, 3] if world_size == 2 else [1, 1, 1, 2])
+        # the same owners at the next step, where the decode rows sit beside a split and a short prompt
+        owner_of = dict(zip("abcde", decode["owner"]))
+        assert mixed["owner"] == [owner_of["c"], owner_of["a"], owner_of["e"], -1, -1]
+        # the rank ran its rows only (t_pad: the most any rank owns), without CUDA graphs
+        assert decode["seen"] == (decode["t_pad"], True) and decode["t_pad"] == -(-5 // world_size)
+        assert decode["force_eager"] and mixed["force_eager"] and mixed["seen"][1]
+        # every sampled row is its owner's, on every rank
+        for step in (decode, mixed, prompt):
+            rows = step["rows"]
+            assert torch.equal(step["hidden"][rows], step["expected"][rows]), rank
+        # a step with neither decode rows nor a split stays whole
+        assert prompt["owner"] is None and not prompt["force_eager"] and prompt["seen"] == (30, False)
+        # a hand-over is planned (the GDN layers broadcast the owner's states first), nothing split
+        handover = results["handover"]
+        assert handover["owner"] == [-1, owner_of["b"]] and handover["handovers"] == [(0, owner_of["a"])]
+        assert torch.equal(handover["hidden"][handover["rows"]], handover["expected"][handover["rows"]])
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

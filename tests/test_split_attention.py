@@ -1,5 +1,7 @@
-"""Split full attention on 2 and 4 gloo ranks == causal attention over the whole sequence."""
+"""Split full attention on 2 and 4 gloo ranks == causal attention over the whole sequence, with the
+decode rows replicated or each on one rank (decode="spread"): every rank's cache gets every new K/V."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,7 +42,9 @@ def reference(ctx_kv, q, k, v, num_computed, num_new, scale):
 def _worker(rank, group, layouts):
     scale = D**-0.5
     worst = 0.0
-    for (num_computed, num_new), layout in [(b, lay) for b in BATCHES for lay in layouts]:
+    cases = [(b, lay, spread) for b in BATCHES for lay in layouts for spread in (False, True)]
+    cases.append((([40, 9, 3], [1, 1, 1]), "zigzag", True))  # a spread decode step: at pcp=4 rank 3 owns none
+    for (num_computed, num_new), layout, spread in cases:
         seed = sum(num_new) * 31 + len(num_new)
         ctx_kv, q, k, v = make_case(seed, num_computed, num_new)
         block_table, slot_mapping, num_blocks = kv_layout(num_computed, num_new, BS)
@@ -51,8 +55,10 @@ def _worker(rank, group, layouts):
             blk = block_table[i, pos // BS].long()
             key_cache[blk, pos % BS] = ck
             value_cache[blk, pos % BS] = cv
+        # decode="spread": each one-token row on one rank (spread over the ranks by its position)
+        owner = np.where(np.array(num_new) == 1, np.arange(len(num_new)) % group.world_size, -1) if spread else None
         plan = PCPPlan(num_computed, num_new, group.world_size, rank,
-                       PCPConfig(layout=layout, min_split_tokens=4))
+                       PCPConfig(layout=layout, min_split_tokens=4), owner)
         ctx = PCPContext(plan, group, "cpu", num_tokens_padded=plan.num_tokens + 3)  # the runner's padding
         rows = torch.from_numpy(plan.local_full_idx[rank])
         local = lambda x: x[rows.clamp(min=0)]  # noqa: E731
@@ -66,7 +72,7 @@ def _worker(rank, group, layouts):
         flat_k = key_cache.view(-1, KVH, D)
         torch.testing.assert_close(flat_k[slot_mapping], k, rtol=0, atol=0)
         torch.testing.assert_close(value_cache.view(-1, KVH, D)[slot_mapping], v, rtol=0, atol=0)
-        worst = max(worst, (out[:T] - ref[rows[:T]]).abs().max().item())
+        worst = max(worst, (out[:T] - ref[rows[:T]]).abs().max().item() if T else 0.0)
         check_output_gather(ctx, out, ref)
     return worst
 

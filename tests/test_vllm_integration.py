@@ -71,6 +71,10 @@ def _configs(ckpt):
             "method": "mtp", "num_speculative_tokens": 1}),
         "non_hybrid": dict(hf_overrides={**OVERRIDES, "text_config": {
             "layer_types": ["full_attention"] * 8}}),
+        "spread_mtp": dict(additional_config={"qwen36_pcp": {"decode": "spread"}}, speculative_config={
+            "method": "mtp", "num_speculative_tokens": 1}),
+        "spread_prefix_caching": dict(additional_config={"qwen36_pcp": {"decode": "spread"}},
+                                      enable_prefix_caching=True),
         "lora": dict(enable_lora=True),
         "kv_connector": dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
         "pooling": dict(runner="pooling", convert="embed"),
@@ -142,6 +146,8 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "cp_kv_cache_interleave_size" in out["errors"]["mtp_interleave"], out["errors"]["mtp_interleave"]
     assert out["mtp"] == ("mtp", "Qwen3_5MoeMTP", "qwen36_pcp.worker.PCPWorker")
     assert out["mtp_experts_ratio"] == pytest.approx(9 / 8)  # the drafter's layer beside 8 MoE layers
+    assert "decode='spread' together with speculative decoding" in out["errors"]["spread_mtp"]
+    assert "decode='spread' together with prefix caching" in out["errors"]["spread_prefix_caching"]
     assert "non-hybrid" in out["errors"]["non_hybrid"]
     assert "layuot" in out["errors"]["unknown_option"]
     assert "quantized KV cache (kv_cache_dtype=fp8" in out["errors"]["fp8_kv"]

@@ -22,7 +22,7 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-from ..config import ARCHITECTURE, pcp_config_of, pcp_runner_builds_model, uses_pcp
+from ..config import ARCHITECTURES, pcp_config_of, pcp_runner_builds_model, uses_pcp
 from .full_rows_linear import PCPReplicatedLinear
 from .pcp_attention import PCPFlashAttentionImpl
 from .pcp_gdn import PCPGatedDeltaNetAttention
@@ -59,7 +59,7 @@ def pcp_layer_classes(replacements: dict[type, type]):
              if vllm_cls.__name__ in op_registry_oot}
     if taken:
         raise RuntimeError(
-            f"qwen36_pcp: {ARCHITECTURE} at prefill_context_parallel_size > 1 builds its own subclasses of "
+            f"qwen36_pcp: {' and '.join(ARCHITECTURES)} at prefill_context_parallel_size > 1 builds its own subclasses of "
             f"vLLM's {sorted(taken)}, which another plugin already replaces "
             f"({', '.join(f'{k} -> {v.__module__}.{v.__qualname__}' for k, v in taken.items())})")
     registered = []
@@ -84,13 +84,13 @@ def adopt_pcp_attention(model: torch.nn.Module) -> None:
             continue
         if type(impl) is not FlashAttentionImpl:
             raise ValueError(
-                f"{ARCHITECTURE}: prefill context parallel needs the FLASH_ATTN attention backend, but "
+                f"qwen36_pcp: prefill context parallel needs the FLASH_ATTN attention backend, but "
                 f"layer {name} uses {type(impl).__name__}. Pass attention_backend='FLASH_ATTN' (or leave "
                 "the backend on auto)."
             )
         if tuple(impl.sliding_window) != (-1, -1):
             raise ValueError(
-                f"{ARCHITECTURE}: prefill context parallel does not support sliding-window attention "
+                f"qwen36_pcp: prefill context parallel does not support sliding-window attention "
                 f"(layer {name})."
             )
         impl.__class__ = PCPFlashAttentionImpl

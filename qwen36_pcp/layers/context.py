@@ -10,6 +10,7 @@ rank sent.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -108,19 +109,21 @@ class SampleRowIndex:
 class ConvIndex:
     """A short conv's halo indices (``PCPPlan.conv_sources`` and ``tail_rows``) on the device."""
 
-    tail_rows: torch.Tensor  # [S, w-1] local rows of each segment's last inputs
+    tail_rows: torch.Tensor  # [max_segments, w-1] local rows of each segment's last inputs
     halo: torch.Tensor  # [S, w-1] table rows of each segment's first inputs' predecessors
     final: torch.Tensor  # [R, w-1] table rows of each request's new conv state
 
 
 @dataclass(frozen=True)
 class StatePassingIndex:
-    """GDN state passing: segments that start from the cache, the replicated segments, and this rank's
-    blocks of the split requests (block -> local segment positions, on the host and the device)."""
+    """GDN state passing: segments that start from the cache, the whole (replicated, then owned)
+    segments, and this rank's blocks of the split requests (block -> local segment positions, on the
+    host and the device)."""
 
     starts_from_cache: torch.Tensor  # [S] bool
-    replicated_slots: torch.Tensor  # [S_rep]
-    replicated_reqs: torch.Tensor  # [S_rep]
+    replicated_slots: torch.Tensor  # [S_rep + S_own]
+    replicated_reqs: torch.Tensor  # [S_rep + S_own]
+    num_replicated: int  # S_rep: the same on every rank
     split_reqs: torch.Tensor  # [R_split]
     block_slots: dict[int, list[int]]
     block_slots_dev: dict[int, torch.Tensor]
@@ -137,12 +140,14 @@ class RelayRun:
 
 @dataclass(frozen=True)
 class RelayIndex:
-    """GDN relay: the replicated requests (first in the local layout) and this rank's runs."""
+    """GDN relay: the whole requests (first in the local layout: the replicated ones, then the ones this
+    rank owns) and this rank's runs."""
 
     replicated_rows: int
     replicated: Varlen
     replicated_reqs: torch.Tensor
     replicated_from_cache: torch.Tensor  # bool
+    num_replicated: int  # replicated (not owned) requests: the same on every rank
     split_reqs: torch.Tensor
     split_from_cache: torch.Tensor  # bool
     runs: list[RelayRun]
@@ -169,6 +174,7 @@ class PCPContext:
             raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
         self.t = StepTensors.build(plan, self.device)
         self._conv: dict[int, ConvIndex] = {}
+        self._owned_gdn: dict[int, tuple] = {}  # id of vLLM's metadata -> (it, its owned rows' cut)
         self.collectives: list[Collective] = []
 
     @property
@@ -242,6 +248,13 @@ class PCPContext:
         return out
 
     # ------------------------------------------------------------- per-step indices
+    def owned_decode_metadata(self, full):
+        """``owned_decode_metadata`` of vLLM's metadata object, once per step (the GDN layers share it)."""
+        key = id(full)
+        if key not in self._owned_gdn:
+            self._owned_gdn[key] = (full, owned_decode_metadata(self.plan, full, self.device))
+        return self._owned_gdn[key][1]
+
     @cached_property
     def sample_rows(self) -> SampleRowIndex:
         rows = self.plan.sample_rows()
@@ -266,6 +279,7 @@ class PCPContext:
             starts_from_cache=self.to_device(starts_from_cache, torch.bool),
             replicated_slots=self.to_device(np.array(replicated, dtype=np.int64)),
             replicated_reqs=self.to_device(np.array([segs[j].req for j in replicated], dtype=np.int64)),
+            num_replicated=plan.num_replicated,
             split_reqs=self.to_device(plan.split_reqs.astype(np.int64)),
             block_slots=block_slots,
             block_slots_dev={b: self.to_device(np.array(v, dtype=np.int64)) for b, v in block_slots.items()},
@@ -283,10 +297,28 @@ class PCPContext:
             replicated=Varlen.of(offs[: n_rep + 1], self.device),
             replicated_reqs=self.to_device(rep_reqs),
             replicated_from_cache=self.to_device(plan.num_computed[rep_reqs] > 0, torch.bool),
+            num_replicated=plan.num_replicated,
             split_reqs=self.to_device(plan.split_reqs.astype(np.int64)),
             split_from_cache=self.to_device(plan.num_computed[plan.split_reqs] > 0, torch.bool),
             runs=runs,
         )
+
+
+def owned_decode_metadata(plan: PCPPlan, full, device) -> object | None:
+    """vLLM's GDN metadata of a decode step (``GDNAttentionMetadata``, one row per request, no drafts)
+    cut to the rows this rank owns, in its local order; None when it owns none."""
+    if full.num_prefills or full.spec_sequence_masks is not None:  # on every rank, before any returns
+        raise RuntimeError("qwen36_pcp: a spread decode step got prefill or draft rows in its GDN metadata")
+    reqs = [s.req for s in plan.local_segments]
+    n = len(reqs)
+    if n == 0:
+        return None
+    rows = to_device(np.asarray(reqs, dtype=np.int64), device)
+    return dataclasses.replace(
+        full, num_decodes=n, num_decode_tokens=n, num_actual_tokens=n,
+        non_spec_query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        non_spec_state_indices_tensor=full.non_spec_state_indices_tensor.index_select(0, rows),
+    )
 
 
 def current_pcp_context() -> PCPContext | None:

@@ -212,6 +212,18 @@ def conv_with_halo(ctx: PCPContext, kernels, mixed_qkv, w: GDNWeights, conv_stat
                         w.activation)
 
 
+# ------------------------------------------------------------------------------ hand-over
+def hand_over_states(ctx: PCPContext, caches, state_idx) -> None:
+    """The GDN states of the requests the plan hands over (``PCPPlan.handovers``: decoded on one rank
+    alone, computed by every rank now) from that rank to every rank, before the step reads them.
+
+    caches: the layer's state tensors (conv, SSM), one cache line per request (``state_idx`` [R])."""
+    for req, src in ctx.plan.handovers:
+        line = state_idx[req : req + 1]
+        for cache in caches:
+            cache.index_copy_(0, line, ctx.broadcast(cache.index_select(0, line), src))
+
+
 # --------------------------------------------------------------------------- state passing
 def augmented_values(v, K):
     """v [T, HV, V] -> [T, HV, V+K] with K zero columns: the scan then also carries P and c_t."""
@@ -249,13 +261,19 @@ def gdn_state_passing(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, 
         x_end = _fold_split_states(ctx, o, final, core_attn_out, V)
         ssm_state[state_idx.index_select(0, idx.split_reqs)] = x_end.to(ssm_state.dtype)
     if idx.replicated_slots.numel():
-        _keep_primary_states(ctx, ssm_state, state_idx, idx.replicated_reqs,
-                             final.index_select(0, idx.replicated_slots)[:, :, :V, :])
+        _keep_whole_states(ctx, ssm_state, state_idx, idx.replicated_reqs, idx.num_replicated,
+                           final.index_select(0, idx.replicated_slots)[:, :, :V, :])
 
 
-def _keep_primary_states(ctx: PCPContext, ssm_state, state_idx, reqs, final):
-    """Write the replicated requests' final SSM states as rank 0 computed them, on every rank."""
-    ssm_state[state_idx.index_select(0, reqs)] = ctx.broadcast_primary(final).to(ssm_state.dtype)
+def _keep_whole_states(ctx: PCPContext, ssm_state, state_idx, reqs, num_replicated: int, final):
+    """Write the final SSM states of the requests computed whole: the replicated ones (the first
+    ``num_replicated``) as rank 0 computed them, on every rank; the ones this rank owns (decode
+    spread) on this rank alone, which holds their true state while they decode."""
+    if num_replicated:
+        rep = ctx.broadcast_primary(final[:num_replicated])
+        ssm_state[state_idx.index_select(0, reqs[:num_replicated])] = rep.to(ssm_state.dtype)
+    if reqs.shape[0] > num_replicated:
+        ssm_state[state_idx.index_select(0, reqs[num_replicated:])] = final[num_replicated:].to(ssm_state.dtype)
 
 
 def _compose(s, nxt, V):
@@ -352,7 +370,7 @@ def gdn_relay(ctx: PCPContext, kernels, mixed_qkv, b, a, core_attn_out, w: GDNWe
         init = start_states(idx.replicated_reqs, idx.replicated_from_cache)
         final, pending = kernels.chunk_states(prep, 0, rows, init, idx.replicated)
         core_attn_out[:rows] = kernels.chunk_outputs(prep, 0, rows, pending, idx.replicated)
-        _keep_primary_states(ctx, ssm_state, state_idx, idx.replicated_reqs, final)
+        _keep_whole_states(ctx, ssm_state, state_idx, idx.replicated_reqs, idx.num_replicated, final)
     if not len(plan.split_reqs):
         return
     x = start_states(idx.split_reqs, idx.split_from_cache)  # block 0's start state: on every rank

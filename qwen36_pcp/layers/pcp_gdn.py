@@ -1,7 +1,8 @@
 """vLLM's GatedDeltaNetAttention with context-parallel steps (relay, state passing or island).
 
 Only the core (conv + gated delta rule) changes: projections, gated norm and out_proj run on the local
-tokens as usual. Steps without a PCP context (pcp == 1, unsplit steps, profiling) take vLLM's path.
+tokens as usual. Steps without a PCP context (pcp == 1, unsplit steps, profiling) take vLLM's path,
+and so does a spread decode step, on this rank's rows.
 The mode comes from the step's PCP config (``PCPContext.config``), the one place it is set.
 """
 
@@ -12,7 +13,7 @@ from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttent
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
 from .context import current_pcp_context
-from .gdn_cp import GDNWeights, VllmGDNKernels, gdn_island, gdn_relay, gdn_state_passing
+from .gdn_cp import GDNWeights, VllmGDNKernels, gdn_island, gdn_relay, gdn_state_passing, hand_over_states
 
 CORES = {"relay": gdn_relay, "state_passing": gdn_state_passing}
 
@@ -42,10 +43,14 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         ctx = current_pcp_context()
         if ctx is None:
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        if ctx.plan.decode_spread_only:
+            return self._forward_owned_decode(ctx, mixed_qkv, b, a, core_attn_out)
+        meta = get_forward_context().attn_metadata[self.prefix]
+        if ctx.plan.handovers:
+            hand_over_states(ctx, self.kv_cache[:2], meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long())
         mode = ctx.config.gdn_mode
         if mode == "island":
             return gdn_island(ctx, super()._forward_core, mixed_qkv, b, a, core_attn_out)
-        meta = get_forward_context().attn_metadata[self.prefix]
         conv_state = self.kv_cache[0]
         if not is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)
@@ -55,3 +60,18 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
         CORES[mode](ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(), conv_state,
                     self.kv_cache[1], state_idx)
+
+    def _forward_owned_decode(self, ctx, mixed_qkv, b, a, core_attn_out):
+        """A spread decode step: vLLM's own decode path (conv update, recurrent update: both row by
+        row, so each row gets pcp=1's bits) on this rank's rows, with the step's GDN metadata cut to
+        them (``PCPContext.owned_decode_metadata``). No collective: the states stay on the owner."""
+        forward_context = get_forward_context()
+        full = forward_context.attn_metadata[self.prefix]
+        local = ctx.owned_decode_metadata(full)
+        if local is None:  # this rank owns no row this step
+            return
+        forward_context.attn_metadata[self.prefix] = local
+        try:
+            super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        finally:
+            forward_context.attn_metadata[self.prefix] = full

@@ -9,6 +9,7 @@ segment's tokens and whose keys are the request's first ``num_computed + segment
 from __future__ import annotations
 
 import torch
+import vllm.envs as envs
 from vllm.v1.attention.backends import flash_attn as fa
 
 from .context import PCPContext
@@ -50,9 +51,15 @@ def attend_local_flash(ctx: PCPContext, query, key_cache, value_cache, block_tab
     query row is reduced over its keys in the one order pcp=1 uses on a step of that size: bit for
     bit pcp=1's wherever pcp=1 does not split (its long steps). The cost is occupancy on split steps
     whose ranks hold few query tiles against long keys (small prefill chunks at large N).
+    A spread decode step leaves the count to flash-attention, as pcp=1's decode does: its rows meet
+    other batches than at pcp=1 anyway, and a decode row alone against a long context needs the
+    split keys to fill the GPU (unless vLLM's batch-invariant mode asks for one split everywhere).
     """
     t = ctx.t
     n = t.num_local_tokens
+    if t.num_segments == 0:  # a spread decode step where this rank owns no row
+        output.zero_()
+        return output
     fa.flash_attn_varlen_func(
         q=query[:n],
         k=key_cache,
@@ -67,7 +74,7 @@ def attend_local_flash(ctx: PCPContext, query, key_cache, value_cache, block_tab
         block_table=vseq_block_table(ctx, block_table),
         scheduler_metadata=None,
         fa_version=fa_version,
-        num_splits=1,
+        num_splits=0 if ctx.plan.decode_spread_only and not envs.VLLM_BATCH_INVARIANT else 1,
         **fa_kwargs,
     )
     if n < output.shape[0]:

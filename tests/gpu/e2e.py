@@ -205,6 +205,11 @@ def _spec_decode_metrics(llm, spec):
     return out
 
 
+def _preemptions(llm, spec):
+    """How many times vLLM's scheduler preempted a request so far (``vllm:num_preemptions``)."""
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
 def _seeded_sampling(llm, spec):
     """The first batch sampled at temperature 1 with a seed per request: the tokens."""
     from vllm import SamplingParams
@@ -218,7 +223,7 @@ def _seeded_sampling(llm, spec):
 
 ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "max_tokens_one": _max_tokens_one,
            "prompt_logprobs": _prompt_logprobs, "spec_decode_metrics": _spec_decode_metrics,
-           "seeded_sampling": _seeded_sampling}
+           "seeded_sampling": _seeded_sampling, "preemptions": _preemptions}
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -459,12 +464,12 @@ def shared_gpu_mode(max_ranks: int) -> bool:
 
 def on_shared_gpu(spec: dict) -> dict:
     """The engine spec with every worker on GPU 0, collectives through host memory, a fixed KV cache
-    (memory profiling cannot tell several processes on one GPU apart)."""
+    (memory profiling cannot tell several processes on one GPU apart; a spec may set a smaller one)."""
     import copy
 
     spec = copy.deepcopy(spec)
-    spec["llm"].update(worker_cls=SHARED_WORKER, distributed_executor_backend="mp",
-                       gpu_memory_utilization=SHARED_UTILIZATION, kv_cache_memory_bytes=SHARED_KV_BYTES)
+    spec["llm"] = {"kv_cache_memory_bytes": SHARED_KV_BYTES, **spec["llm"], "worker_cls": SHARED_WORKER,
+                   "distributed_executor_backend": "mp", "gpu_memory_utilization": SHARED_UTILIZATION}
     return spec
 
 

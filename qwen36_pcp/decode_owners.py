@@ -1,0 +1,75 @@
+"""Which PCP rank computes each decoding request (``decode="spread"``).
+
+A request is given an owner at its first decode row and keeps it until it finishes: only the owner
+computes its rows and holds its true GDN states (conv and SSM), which leave it only at a hand-over
+(below). Its K/V is still written on every rank (split attention gathers every new row's K/V), so the
+attention cache stays whole. A new owner is the rank with the fewest decoding requests this step, then
+the least context among them, then the lowest rank: the host data every rank holds alike (the
+scheduler's output), so every rank computes the same owners with no collective.
+
+Where another rank could read a decoding request's state, and what happens there:
+- preemption: vLLM frees the request's blocks and recomputes it from token 0, prompt and outputs,
+  which is replicated or split (every rank holds its states again); a step that starts a request at
+  token 0 ends its ownership and records where the recompute ends, and its next owner comes at the
+  first one-token step past that point (a one-token leftover of the recompute is no decode row);
+- a request left out of a step keeps its states where its owner wrote them, and its owner;
+- a request with an owner that comes back with more than one new token past token 0 (its prompt grew:
+  streaming input) is *handed over*: before that step its owner broadcasts its GDN states to every
+  rank (``gdn_cp.hand_over_states``), then it is computed like any prompt;
+- hybrid prefix caching (``mamba_cache_mode="align"``) copies and caches states at block boundaries
+  on every rank: refused with ``decode="spread"`` at startup (``checks``), as is speculative decoding
+  (its verification rows read states at accepted-token offsets on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+
+import numpy as np
+
+
+class DecodeOwners:
+    def __init__(self, world_size: int):
+        self.world_size = int(world_size)
+        self.owner: dict[str, int] = {}
+        self.prefill_end: dict[str, int] = {}  # tokens the latest start from token 0 covers
+
+    def step(self, req_ids: Sequence[str], num_computed: np.ndarray, num_new: np.ndarray,
+             num_prompt: np.ndarray, num_tokens: np.ndarray, live: Container[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Per request of the step: its owner (-1: not a decode row, computed as before) and, for a
+        request whose owner alone holds its states but which every rank computes now, that owner
+        (-1 elsewhere). ``num_tokens``: each request's prompt and output tokens the runner holds."""
+        for table in (self.owner, self.prefill_end):
+            for req_id in [r for r in table if r not in live]:
+                del table[req_id]
+        num_computed, num_new = np.asarray(num_computed), np.asarray(num_new)
+        for i, req_id in enumerate(req_ids):
+            if num_computed[i] == 0:  # (re)started from its first token: every rank computes its states
+                self.owner.pop(req_id, None)
+                self.prefill_end[req_id] = int(num_tokens[i])
+        ends = np.array([max(int(p), self.prefill_end.get(r, 0)) for r, p in zip(req_ids, num_prompt)],
+                        dtype=np.int64)
+        decoding = (num_new == 1) & (num_computed >= ends)
+        handover = np.full(len(req_ids), -1, dtype=np.int64)
+        rows = np.zeros(self.world_size, dtype=np.int64)
+        context = np.zeros(self.world_size, dtype=np.int64)
+        for i, req_id in enumerate(req_ids):
+            r = self.owner.get(req_id)
+            if r is None:
+                continue
+            if decoding[i]:
+                rows[r] += 1
+                context[r] += num_computed[i]
+            else:
+                handover[i] = self.owner.pop(req_id)
+        owner = np.full(len(req_ids), -1, dtype=np.int64)
+        for i, req_id in enumerate(req_ids):
+            if not decoding[i]:
+                continue
+            if req_id not in self.owner:
+                r = min(range(self.world_size), key=lambda r: (rows[r], context[r], r))
+                self.owner[req_id] = r
+                rows[r] += 1
+                context[r] += num_computed[i]
+            owner[i] = self.owner[req_id]
+        return owner, handover

@@ -1,0 +1,101 @@
+"""Decode spread over the PCP ranks (``decode="spread"``) end to end, against pcp=1.
+
+    python -m pytest -q -s tests/gpu/test_decode_spread_e2e.py     # one GPU is enough
+
+Tiny checkpoint, greedy, 32 tokens, top-5 logprobs, pcp = 2, 4, 8 with each decoding request on one
+rank against pcp=1 (whose decode every rank of ``decode="replicated"`` repeats):
+- ``main`` (eager): one request of 3000 tokens, then 64 requests of 1 to 12000 tokens at once (decode
+  rows beside split and replicated prompts, ranks owning 8 to 32 rows), ``max_tokens=1`` and an abort
+  mid-prefill;
+- ``preempt`` (eager, pcp = 2, 4): 32 requests of 1620 tokens in a KV cache of 19k tokens: each needs
+  another block while it decodes, so vLLM preempts and recomputes requests decoding on one rank;
+- ``compiled`` (pcp=2; vLLM's defaults: torch.compile, CUDA graphs at pcp=1; spread steps run the
+  compiled graph without CUDA graphs): 24 requests of mixed lengths.
+A case passes when vLLM's check_logprobs_close rule holds for every prompt with no NaN/Inf; bit for bit
+is not expected (a rank's decode batch is not pcp=1's: flash-attention's split count and the GEMMs'
+kernels follow the row count).
+"""
+
+import pytest
+import torch
+
+from . import e2e
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+SPREAD = {"decode": "spread", "min_split_tokens": 512}
+# 12 tokens short of 6 blocks of the tiny checkpoint's 272-token blocks: each request needs a 7th block
+# while it decodes, which the full cache does not have
+PREEMPT_PROMPT = 6 * 272 - 12
+PCPS = (1, 2, 4, 8)
+# engine -> the pcp sizes it runs at
+ENGINE_PCPS = {"main": PCPS, "preempt": (1, 2, 4), "compiled": (1, 2)}
+
+
+def mixed_lengths(count: int, longest: int) -> list[int]:
+    """``count`` prompt lengths from 1 to ``longest`` tokens, short and long interleaved."""
+    return [max(1, (i * 7919) % longest) if i else longest for i in range(count)]
+
+
+def _specs() -> dict:
+    ckpt = e2e.checkpoint("tiny")
+    vocab = e2e.vocab_size(ckpt)
+    return {
+        "main": {
+            "llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True, max_model_len=24000),
+            "engine_core_in_process": True,
+            "batches": [e2e.prompt_ids((3000,), vocab, seed=21),
+                        e2e.prompt_ids(mixed_lengths(64, 12000), vocab, seed=22)],
+            "actions": ["max_tokens_one", "abort_mid_prefill"],
+            "abort_prompt": e2e.prompt_ids((20000,), vocab, seed=23)[0],
+        },
+        "preempt": {
+            "llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True, max_model_len=4096, disable_log_stats=False,
+                                       kv_cache_memory_bytes=96 << 20),
+            "engine_core_in_process": True, "max_tokens": 48,
+            "batches": [e2e.prompt_ids((PREEMPT_PROMPT,) * 32, vocab, seed=24)],
+            "actions": ["preemptions"],
+        },
+        "compiled": {
+            "llm": e2e.base_llm_kwargs(ckpt, max_model_len=24000), "engine_core_in_process": True,
+            "batches": [e2e.prompt_ids(mixed_lengths(24, 12000), vocab, seed=25)],
+        },
+    }
+
+
+def spread_jobs():
+    jobs = {}
+    for name, spec in _specs().items():
+        for pcp in ENGINE_PCPS[name]:
+            kw = {"prefill_context_parallel_size": pcp}
+            if pcp > 1:
+                kw["additional_config"] = {"qwen36_pcp": SPREAD}
+            jobs[f"spread_{name}_pcp{pcp}"] = ({**spec, "llm": {**spec["llm"], **kw}}, pcp)
+    return jobs
+
+
+@pytest.mark.engine_jobs(builder=spread_jobs)
+def test_spread_decode_matches_pcp1(engine_pool):
+    report, failed = {}, []
+    for name in _specs():
+        ref = e2e.result(engine_pool, f"spread_{name}_pcp1")
+        for pcp in ENGINE_PCPS[name][1:]:
+            res = e2e.result(engine_pool, f"spread_{name}_pcp{pcp}")
+            c = e2e.compare(e2e.outputs(ref), e2e.outputs(res))
+            c["identical"] = e2e.outputs(ref) == e2e.outputs(res)
+            for action in ("max_tokens_one", "abort_mid_prefill", "preemptions"):
+                if action in res:
+                    c[action] = res[action]
+            report[f"{name}_pcp{pcp}"] = c
+            print(f"[spread] {name} pcp{pcp} vs pcp1: ok={c['ok']} max|dlogprob|={c['max_logprob_diff']:.4g} "
+                  f"identical={c['identical']} nonfinite={c['nonfinite']} diverged={c['diverged_at'][:4]}")
+            if not c["ok"]:
+                failed.append(f"{name} pcp{pcp}")
+            if name == "main":
+                assert res["max_tokens_one"] == [1], res["max_tokens_one"]
+                assert "victim" not in res["abort_mid_prefill"]["finished"], res["abort_mid_prefill"]
+                assert res["abort_mid_prefill"]["finished"].get("survivor") == 8, res["abort_mid_prefill"]
+            if name == "preempt":
+                assert res["preemptions"] > 0, "the small KV cache preempted nothing"
+    e2e.save("decode_spread_e2e", report)
+    assert not failed, failed

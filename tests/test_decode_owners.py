@@ -1,0 +1,105 @@
+"""Which rank decodes each request (decode="spread"): stable while a request decodes, balanced by rows
+then context, the same on every rank, ended by a recompute from token 0."""
+
+import numpy as np
+import pytest
+
+from qwen36_pcp.decode_owners import DecodeOwners
+
+
+def _step(owners, batch, live=None, handover=None):
+    """batch: [(req_id, num_computed, num_new, num_prompt[, num_tokens])] -> owners of the step's
+    requests (``handover``: a list that gets the step's hand-overs)."""
+    ids = [b[0] for b in batch]
+    cols = [np.array([b[k] for b in batch]) for k in (1, 2, 3)]
+    num_tokens = np.array([b[4] if len(b) > 4 else b[3] for b in batch])
+    owner, moved = owners.step(ids, *cols, num_tokens, ids if live is None else live)
+    if handover is not None:
+        handover[:] = moved.tolist()
+    return owner.tolist()
+
+
+def test_owners_stable_balanced_and_forgotten():
+    owners = DecodeOwners(2)
+    # a prompt (not decoding), its last prompt token alone (not decoding), three decode rows
+    first = _step(owners, [("p", 0, 900, 900), ("last", 99, 1, 100), ("a", 5000, 1, 10),
+                           ("b", 20, 1, 10), ("c", 70, 1, 10)])
+    assert first == [-1, -1, 0, 1, 1]  # c: one row each, then less context (20 against 5000)
+    # the same requests later, in another order and with grown contexts: the same owners; the new
+    # request goes where fewer rows are (rank 0)
+    again = _step(owners, [("c", 71, 1, 10), ("d", 9, 1, 9), ("b", 21, 1, 10), ("a", 5001, 1, 10)])
+    assert again == [1, 0, 1, 0]
+    more = _step(owners, [("a", 5002, 1, 10), ("b", 22, 1, 10), ("c", 72, 1, 10), ("d", 10, 1, 9),
+                          ("e", 30, 1, 30)])
+    assert more == [0, 1, 1, 0, 1]  # e: two rows each, then context 94 against 5012
+    # a request left out of a step keeps its owner; a finished one (not live) is forgotten
+    assert _step(owners, [("b", 23, 1, 10)], live={"a", "b", "c", "d", "e"}) == [1]
+    assert "a" in owners.owner
+    _step(owners, [("b", 24, 1, 10)], live={"b"})
+    assert set(owners.owner) == {"b"}
+
+
+def test_recompute_ends_ownership_and_prompt_rows_after_it_hand_over():
+    owners = DecodeOwners(4)
+    assert _step(owners, [("a", 50, 1, 40)]) == [0]
+    # preempted and recomputed from token 0 (its 40 prompt and 70 output tokens) in chunks: replicated
+    # or split, every rank holds its states again; a one-token chunk of it is no decode row
+    assert _step(owners, [("b", 7, 1, 5), ("a", 0, 60, 40, 110)]) == [0, -1]
+    assert "a" not in owners.owner
+    assert _step(owners, [("b", 8, 1, 5), ("a", 60, 49, 40, 110)]) == [0, -1]
+    assert _step(owners, [("b", 9, 1, 5), ("a", 109, 1, 40, 110)]) == [0, -1]
+    assert _step(owners, [("b", 10, 1, 5), ("a", 110, 1, 40, 111)]) == [0, 1]  # decoding again
+    # more than one new token past token 0 of a request decoded on rank 1 alone (its prompt grew):
+    # handed over from rank 1, computed as a prompt, owned again when it decodes
+    moved = []
+    assert _step(owners, [("a", 111, 3, 114), ("b", 11, 1, 5)], handover=moved) == [-1, 0]
+    assert moved == [1, -1] and "a" not in owners.owner
+    assert _step(owners, [("a", 114, 1, 114), ("b", 12, 1, 5)], handover=moved) == [1, 0]
+    assert moved == [-1, -1]
+
+
+def test_every_rank_computes_the_same_owners():
+    rng = np.random.default_rng(0)
+    ranks = [DecodeOwners(4) for _ in range(3)]
+    live = set()
+    for step in range(40):
+        live |= {f"r{step}"}
+        live -= {r for r in sorted(live) if rng.random() < 0.1}
+        if not live:
+            continue
+        batch = [(r, int(rng.integers(10, 1000)), 1, 5) for r in sorted(live)]
+        got = [_step(o, batch) for o in ranks]
+        assert got[0] == got[1] == got[2]
+        counts = np.bincount(np.array(got[0], dtype=np.int64), minlength=4)
+        assert counts.max() - counts.min() <= max(3, len(batch) // 2)  # new requests fill the gaps
+
+
+def test_owned_decode_metadata_cuts_vllms_gdn_metadata():
+    """A spread decode step's GDN metadata on each rank: vLLM's for the whole step, cut to the rows the
+    rank owns, in its local order (what vLLM's decode kernels then read: the state lines, the count)."""
+    import torch
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.layers.context import owned_decode_metadata
+    from qwen36_pcp.plan import PCPPlan
+
+    full = GDNAttentionMetadata(num_prefills=0, num_prefill_tokens=0, num_decodes=5, num_decode_tokens=5,
+                                num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=5,
+                                non_spec_query_start_loc=torch.arange(6, dtype=torch.int32),
+                                non_spec_state_indices_tensor=torch.tensor([11, 12, 13, 14, 15], dtype=torch.int32))
+    owner = np.array([2, 0, 2, 1, 0])
+    cuts = [owned_decode_metadata(PCPPlan([9] * 5, [1] * 5, 4, r, PCPConfig(), owner), full, "cpu")
+            for r in range(4)]
+    assert cuts[3] is None  # rank 3 owns no row
+    for r, rows in ((0, [12, 15]), (1, [14]), (2, [11, 13])):
+        cut = cuts[r]
+        assert cut.non_spec_state_indices_tensor.tolist() == rows
+        assert cut.num_actual_tokens == cut.num_decodes == cut.num_decode_tokens == len(rows)
+        assert cut.non_spec_query_start_loc.tolist() == list(range(len(rows) + 1))
+        assert cut.num_prefills == 0 and cut.spec_sequence_masks is None
+    assert full.non_spec_state_indices_tensor.tolist() == [11, 12, 13, 14, 15]  # vLLM's is left as it was
+    with pytest.raises(RuntimeError, match="prefill"):
+        import dataclasses
+        owned_decode_metadata(PCPPlan([9] * 5, [1] * 5, 4, 0, PCPConfig(), owner),
+                              dataclasses.replace(full, num_prefills=1), "cpu")
