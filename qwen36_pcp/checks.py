@@ -185,7 +185,7 @@ def per_token_metadata_problems(vllm_config) -> list[str]:
     """Features that read per-token metadata the runner prepared for the whole batch while the model
     runs on a rank's slice of the rows: at a split step they would compute with other tokens'
     metadata, silently (LoRA's adapter map) or by a crash (sequence parallelism), or they are
-    unverified with a split batch (KV connectors, EPLB, pooling)."""
+    unverified with a split batch (KV and encoder-cache connectors, EPLB, pooling)."""
     problems = []
     if vllm_config.lora_config is not None:
         problems.append("LoRA (the per-token adapter mapping covers the whole batch, each PCP rank "
@@ -195,6 +195,9 @@ def per_token_metadata_problems(vllm_config) -> list[str]:
             or getattr(vllm_config.cache_config, "kv_offloading_size", None) is not None):
         problems.append("KV connectors / disaggregated prefill / KV offloading (kv_transfer_config, "
                         "kv_offloading_size)")
+    if getattr(vllm_config, "ec_transfer_config", None) is not None:
+        problems.append("encoder-cache connectors (ec_transfer_config: unverified with the vision encoder "
+                        "split over the PCP ranks)")
     if vllm_config.parallel_config.enable_eplb:
         problems.append("expert-parallel load balancing (enable_eplb)")
     passes = vllm_config.compilation_config.pass_config

@@ -76,6 +76,7 @@ def _configs(ckpt):
         "spread_prefix_caching": dict(additional_config={"qwen36_pcp": {"decode": "spread"}},
                                       enable_prefix_caching=True),
         "lora": dict(enable_lora=True),
+        "ec_connector": dict(ec_transfer_config={"ec_connector": "ECExampleConnector", "ec_role": "ec_both"}),
         "kv_connector": dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
         "pooling": dict(runner="pooling", convert="embed"),
     }
@@ -149,6 +150,7 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert "decode='spread' together with speculative decoding" in out["errors"]["spread_mtp"]
     assert "decode='spread' together with prefix caching" in out["errors"]["spread_prefix_caching"]
     assert "non-hybrid" in out["errors"]["non_hybrid"]
+    assert "ec_transfer_config" in out["errors"]["ec_connector"], out["errors"]["ec_connector"]
     assert "layuot" in out["errors"]["unknown_option"]
     assert "quantized KV cache (kv_cache_dtype=fp8" in out["errors"]["fp8_kv"]
     assert "layout must be one of" in out["errors"]["bad_layout"]
@@ -294,22 +296,36 @@ def _model(ckpt, pcp, arch=ARCH):
     }
 
 
-def _models(ckpt):
-    """Both models in one fresh process (one vLLM import), and our model at pcp=2 built by a runner
-    that is not the PCP one."""
+def _models(ckpt, dense_ckpt):
+    """Both models in one fresh process (one vLLM import), the vision-language one of the dense layout
+    at pcp=2, and our model at pcp=2 built by a runner that is not the PCP one."""
     from harness.dist import error_of
     from tests.fake_cuda import build_model, engine_config
 
     out = {pcp: _model(ckpt, pcp) for pcp in (1, 2)}
     out.update({("vl", pcp): _model(ckpt, pcp, VL_ARCH) for pcp in (1, 2)})
+    out["vl_dense"] = _model(dense_ckpt, 2, VL_ARCH)
     cfg = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2)
     out["other_runner"] = error_of(lambda: build_model(cfg, as_pcp_runner=False))
     return out
 
 
 @pytest.fixture(scope="module")
-def models(tiny_ckpt):
-    return run_isolated(_models, tiny_ckpt)
+def models(tiny_ckpt, tmp_path_factory):
+    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+
+    dense = str(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-dense", preset="tiny-dense", seed=0))
+    return run_isolated(_models, tiny_ckpt, dense)
+
+
+def test_dense_vision_language_model_builds_with_pcp_layers(models):
+    """The dense layout (Qwen3.6-27B's) of the vision-language class at pcp=2: the PCP GDN and
+    attention, vLLM's dense MLP, every parameter (the vision tower's too) from the checkpoint."""
+    out = models["vl_dense"]
+    assert out["loaded"] == out["params"], set(out["params"]) ^ set(out["loaded"])
+    assert out["gdn"] == ["PCPGatedDeltaNetAttention"] and out["impls"] == ["PCPFlashAttentionImpl"]
+    assert out["moe_classes"] == [] and out["visual_params"] > 0 and out["split_encoder"] is True
+    assert out["oot_left"] == []
 
 
 def test_model_at_pcp_needs_the_pcp_runner(models):
