@@ -170,13 +170,13 @@ def report(out: str) -> dict:
 
     def draw(ax):
         for context in sorted({r["context"] for r in rows}):
-            for key, style, what in (("spread2_ms", "-", "no graphs"), ("spread2_graphs_ms", "--", "graphs")):
+            for key, style, what in (("spread2_ms", "-", "as built"), ("spread2_graphs_ms", "--", "local graphs")):
                 pts = [r for r in rows if r["context"] == context and key in r]
                 ax.plot([r["batch"] for r in pts], [r["replicated_ms"] / r[key] for r in pts], style, marker="o",
                         label=f"pcp=2, {context // 1024}k, {what}")
         ax.axhline(1.0, color="gray", lw=0.8)
         log2_axes(ax, "requests decoding (B)", "replicated / spread step time",
-                  "Spread decode per rank, pcp=2 (predicted from 1-GPU measurements)")
+                  "Spread decode per rank, pcp=2 (predicted)")
 
     save_figure(str(Path(out) / "decode_spread.png"), draw)
     return {"rows": rows}
