@@ -64,6 +64,14 @@ def _real_tower(ckpt: str) -> dict:
         for world in (2, 4, 8):
             parts = [tower(pixels[patches], grid_thw=grids) for patches, grids in frame_shares(BATCH, world) if grids]
             out[world] = (torch.cat(parts) - whole).abs().max().item()
+        # mm_encoder_tp_mode="data": vLLM's sharded encoding of the frames one by one, as
+        # Qwen3_6ForConditionalGeneration._encode_split hands them: the call and its output order
+        # (one TP rank here; how vLLM balances the frames over several is not covered)
+        from vllm.model_executor.models.vision import run_dp_sharded_mrope_vision_model
+
+        frames = [[1, h, w] for t, h, w in BATCH for _ in range(t)]
+        dp = torch.cat(run_dp_sharded_mrope_vision_model(tower, pixels, frames, rope_type="rope_3d"))
+        out["data_parallel"] = (dp - whole).abs().max().item() if dp.shape == whole.shape else float("inf")
         # a share that cuts the video's frames in the middle of a frame gives other rows
         cut = 16 * 16 + 8 * 12 + 40
         broken = torch.cat([tower(pixels[:cut], grid_thw=[[1, 16, 16], [1, 8, 12], [1, 4, 10]]),
@@ -81,6 +89,7 @@ def test_real_tower_encodes_frames_apart_exactly(tmp_path):
     assert out["rows"] == sum(t * h * w for t, h, w in BATCH) // MERGE and out["scale"] > 0
     for world in (2, 4, 8):
         assert out[world] == 0.0, (world, out)
+    assert out["data_parallel"] == 0.0, out
     assert out["broken"] > 1e-3 * out["scale"], out
 
 
