@@ -99,11 +99,12 @@ def plan_host_ms() -> dict:
     for n in PCPS:
         for b in (1, 8, 64):
             ids, computed = [f"r{i}" for i in range(b)], np.full(b, 16384)
+            requests = {r: SimpleNamespace(num_tokens=16384) for r in ids}
             owners = DecodeOwners(n)
             times = []
             for _ in range(20):
                 t0 = time.perf_counter()
-                owner, _ = owners.step(ids, computed, np.ones(b, dtype=np.int64), computed, computed, ids)
+                owner, _ = owners.step(ids, computed, np.ones(b, dtype=np.int64), computed, requests)
                 plan = PCPPlan(computed, np.ones(b), n, 0, PCPConfig(decode="spread"), owner)
                 PCPContext(plan, SimpleNamespace(world_size=n, rank_in_group=0), "cuda")
                 torch.cuda.synchronize()

@@ -23,7 +23,7 @@ Where another rank could read a decoding request's state, and what happens there
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -35,18 +35,19 @@ class DecodeOwners:
         self.prefill_end: dict[str, int] = {}  # tokens the latest start from token 0 covers
 
     def step(self, req_ids: Sequence[str], num_computed: np.ndarray, num_new: np.ndarray,
-             num_prompt: np.ndarray, num_tokens: np.ndarray, live: Container[str]) -> tuple[np.ndarray, np.ndarray]:
+             num_prompt: np.ndarray, requests: Mapping) -> tuple[np.ndarray, np.ndarray]:
         """Per request of the step: its owner (-1: not a decode row, computed as before) and, for a
         request whose owner alone holds its states but which every rank computes now, that owner
-        (-1 elsewhere). ``num_tokens``: each request's prompt and output tokens the runner holds."""
+        (-1 elsewhere). ``requests``: the runner's live requests by id (their ``num_tokens``: the
+        prompt and output tokens it holds)."""
         for table in (self.owner, self.prefill_end):
-            for req_id in [r for r in table if r not in live]:
+            for req_id in [r for r in table if r not in requests]:
                 del table[req_id]
         num_computed, num_new = np.asarray(num_computed), np.asarray(num_new)
-        for i, req_id in enumerate(req_ids):
-            if num_computed[i] == 0:  # (re)started from its first token: every rank computes its states
-                self.owner.pop(req_id, None)
-                self.prefill_end[req_id] = int(num_tokens[i])
+        for i in np.flatnonzero(num_computed == 0):  # (re)started from its first token: every rank
+            req_id = req_ids[i]                        # computes its states
+            self.owner.pop(req_id, None)
+            self.prefill_end[req_id] = int(requests[req_id].num_tokens)
         ends = np.array([max(int(p), self.prefill_end.get(r, 0)) for r, p in zip(req_ids, num_prompt)],
                         dtype=np.int64)
         decoding = (num_new == 1) & (num_computed >= ends)

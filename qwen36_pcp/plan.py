@@ -133,15 +133,11 @@ class PCPPlan:
         self.split = (self.num_new >= threshold) & (self.world_size > 1)
         self.split_reqs = np.flatnonzero(self.split)
         # the rank that alone computes each request (decode="spread"), -1: replicated or split
-        self.owner = np.full(self.num_reqs, -1, dtype=np.int64) if owner is None else np.asarray(owner, np.int64)
-        if self.owner.shape != self.num_new.shape or (self.owner >= self.world_size).any() or (
-                (self.owner >= 0) & self.split).any():
-            raise ValueError("owner must give each request a rank, or -1 (replicated or split)")
+        self.owner = self._request_ranks(owner, self.split, "owner must give each request a rank, or -1 "
+                                                           "(replicated or split)")
         # the rank whose GDN states of a request every rank needs first (``DecodeOwners``), -1: none
-        handover = np.full(self.num_reqs, -1, dtype=np.int64) if handover is None else np.asarray(handover, np.int64)
-        if handover.shape != self.num_new.shape or (handover >= self.world_size).any() or (
-                (handover >= 0) & (self.owner >= 0)).any():
-            raise ValueError("handover must name a rank only for requests without an owner")
+        handover = self._request_ranks(handover, self.owner >= 0,
+                                       "handover must name a rank only for requests without an owner")
         self.handovers = [(int(i), int(handover[i])) for i in np.flatnonzero(handover >= 0)]
         self.block_bounds = {
             int(i): block_bounds(int(self.num_new[i]), self.num_blocks) for i in self.split_reqs
@@ -152,6 +148,13 @@ class PCPPlan:
         ]
         self.t_pad = max(1, max(sum(s.length for s in segs) for segs in self.segments))
         self._build_row_maps()
+
+    def _request_ranks(self, ranks, excluded: np.ndarray, message: str) -> np.ndarray:
+        """A rank (or -1) per request, -1 where ``excluded``; all -1 when ``ranks`` is None."""
+        ranks = np.full(self.num_reqs, -1, dtype=np.int64) if ranks is None else np.asarray(ranks, np.int64)
+        if ranks.shape != self.num_new.shape or (ranks >= self.world_size).any() or ((ranks >= 0) & excluded).any():
+            raise ValueError(message)
+        return ranks
 
     # ------------------------------------------------------------------ layout
     def _segments_of(self, r: int) -> list[Segment]:

@@ -115,10 +115,9 @@ class PCPModelRunner(GPUModelRunner):
         num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
         owner = handover = None
         if self.decode_owners is not None:
-            req_ids = self.input_batch.req_ids[:num_reqs]
             owner, handover = self.decode_owners.step(
-                req_ids, num_computed, num_new, self.input_batch.num_prompt_tokens[:num_reqs],
-                np.array([self.requests[r].num_tokens for r in req_ids]), self.requests)
+                self.input_batch.req_ids[:num_reqs], num_computed, num_new,
+                self.input_batch.num_prompt_tokens[:num_reqs], self.requests)
         if not self.pcp_config.step_splits(num_new, world) and (
                 owner is None or not ((owner >= 0).any() or (handover >= 0).any())):
             return None

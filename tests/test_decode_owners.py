@@ -1,6 +1,8 @@
 """Which rank decodes each request (decode="spread"): stable while a request decodes, balanced by rows
 then context, the same on every rank, ended by a recompute from token 0."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -12,8 +14,9 @@ def _step(owners, batch, live=None, handover=None):
     requests (``handover``: a list that gets the step's hand-overs)."""
     ids = [b[0] for b in batch]
     cols = [np.array([b[k] for b in batch]) for k in (1, 2, 3)]
-    num_tokens = np.array([b[4] if len(b) > 4 else b[3] for b in batch])
-    owner, moved = owners.step(ids, *cols, num_tokens, ids if live is None else live)
+    tokens = {b[0]: SimpleNamespace(num_tokens=b[4] if len(b) > 4 else b[3]) for b in batch}
+    requests = tokens if live is None else {r: tokens.get(r) for r in live}
+    owner, moved = owners.step(ids, *cols, requests)
     if handover is not None:
         handover[:] = moved.tolist()
     return owner.tolist()

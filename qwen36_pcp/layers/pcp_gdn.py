@@ -46,8 +46,9 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         if ctx.plan.decode_spread_only:
             return self._forward_owned_decode(ctx, mixed_qkv, b, a, core_attn_out)
         meta = get_forward_context().attn_metadata[self.prefix]
+        state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
         if ctx.plan.handovers:
-            hand_over_states(ctx, self.kv_cache[:2], meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long())
+            hand_over_states(ctx, self.kv_cache[:2], state_idx)
         mode = ctx.config.gdn_mode
         if mode == "island":
             return gdn_island(ctx, super()._forward_core, mixed_qkv, b, a, core_attn_out)
@@ -57,7 +58,6 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         # with speculative decoding the cache keeps K more columns for verification rows; a prefill
         # reads and writes the first width - 1, as vLLM's prefill path does
         conv_state = conv_state[..., : self.conv_kernel_size - 1]
-        state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
         CORES[mode](ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(), conv_state,
                     self.kv_cache[1], state_idx)
 
