@@ -1,16 +1,18 @@
-"""Decode step time: every rank decoding every request (``decode="replicated"``) against each rank
-decoding its own share (``decode="spread"``), Qwen3.6-35B-A3B shape, dummy weights, one GPU.
+"""Decode step per rank: every rank decoding every request (``decode="replicated"``) against each rank
+decoding its own share (``decode="spread"``: its local batch through vLLM's PIECEWISE CUDA graphs).
 
-Measured at pcp=1 on one GPU, B requests of L context tokens decoding together (each point: the
-mean step over 24 decode steps, after the B prompts are prefilled and 4 steps of warm-up):
-- ``graphs``: vLLM's defaults (torch.compile, CUDA graphs): the step every rank of a replicated
-  decode runs at any pcp, since it computes the whole batch;
-- ``no_graphs``: the compiled model without CUDA graphs, what a spread step runs (its local batch is
-  none of the captured sizes).
-Predicted per rank at pcp=N with spread decode: ``no_graphs`` at ceil(B/N) requests, plus the step's
-collectives (``step_traffic``: one K/V all-gather per attention layer, the output rows' gather;
-priced by ``predict_ttft``'s NVLink model) and the host's plan of the step (measured here: the
-owners, the plan and its device tensors for B requests). Prints a table, writes JSON and a PNG:
+Qwen3.6-35B-A3B shape with its first 8 layers (2 x [3 GDN + 1 attention]: four ranks' weights fit one
+GPU), dummy weights, vLLM's defaults (torch.compile, CUDA graphs). Every rank of an engine runs on one
+H200 and the ranks take turns (``harness/shared_gpu.py``): a rank holds the GPU while it runs and gives
+it up (its kernels finished) while it waits in a collective, so the time it holds the GPU in a step,
+its **turn time**, is its own step on a GPU of its own, host included, collectives left out.
+
+Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: the whole batch),
+``pcp2_spread``, ``pcp4_spread``. Each point: B requests of L context tokens decoding together, the
+mean over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). Predicted per
+rank on N GPUs: the slowest rank's turn time plus the step's collectives (``step_traffic`` of the
+spread plan, priced by ``predict_ttft``'s NVLink model). Each rank also records the kind of every step
+(``graph``: a spread decode step replaying its local graph). Prints a table, writes JSON and a PNG:
 
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread            # one GPU, ~8 min
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread --report-only
@@ -19,36 +21,50 @@ owners, the plan and its device tensors for B requests). Prints a table, writes 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, tests/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, tests/, harness/
 from benchmarks import bench_ttft, predict_ttft, step_traffic  # noqa: E402
 from benchmarks.plot import log2_axes, save_figure  # noqa: E402
 
-MODES = {"graphs": {}, "no_graphs": {"compilation_config": {"cudagraph_mode": "NONE"}}}
-# context -> batch sizes (B x L within the KV cache an H200 holds beside the weights)
-SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 2, 4, 8, 16, 32, 64), 65536: (1, 2, 4, 8, 16),
-         131072: (1, 2, 4, 8)}
-PCPS = (2, 4, 8)
+LAYERS = 8
+ATTENTION_LAYERS = LAYERS // 4
+SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated: a quick prefill here
+CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4}  # -> ranks
+# context -> batch sizes
+SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16)}
 STEPS, WARMUP = 24, 4
 MAX_PREFILL_STEPS = 400
-ATTENTION_LAYERS = 10
 
 
-def measure(model: str, mode: str, sweep: dict, path: str) -> None:
-    """{"L/B": mean decode step ms} (and the host plan's ms) into ``path`` after each point."""
+def engine_args(config: str) -> dict:
+    ranks = CONFIGS[config]
+    args = dict(prefill_context_parallel_size=ranks, worker_cls="harness.shared_gpu.SharedGPUWorker",
+                distributed_executor_backend="mp", gpu_memory_utilization=0.9 / ranks,
+                kv_cache_memory_bytes=8 << 30)
+    if ranks > 1:
+        args["additional_config"] = {"qwen36_pcp": SPREAD}
+    return args
+
+
+def measure(model: str, config: str, sweep: dict, path: str) -> None:
+    """{"L/B": {"turn_ms": [per rank], "wall_ms": ms}} into ``path`` after each point."""
     from vllm import SamplingParams
+
+    from harness.shared_gpu import turn_seconds
 
     longest = max(sweep)
     llm = bench_ttft.engine(model, "pcp1", longest, compiled=True, max_num_batched_tokens=32768,
-                            max_num_seqs=max(max(b) for b in sweep.values()), gpu_memory_utilization=0.9,
-                            max_model_len=longest + 2048, **MODES[mode])
+                            max_num_seqs=max(max(b) for b in sweep.values()),
+                            max_model_len=longest + 2048, **engine_args(config))
     engine = llm.llm_engine
-    out: dict = {"mode": mode}
+    out: dict = {"config": config}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
         started: set[str] = set()
@@ -64,26 +80,31 @@ def measure(model: str, mode: str, sweep: dict, path: str) -> None:
                 if decoded == started:
                     break
             else:  # the KV cache does not hold them all: the others wait
-                print(f"[{mode}] L={context} B={batch}: not all requests running, stopping at this context")
+                print(f"[{config}] L={context} B={batch}: not all requests running, stopping at this context")
                 break
             for _ in range(WARMUP):
                 engine.step()
-            t0 = time.perf_counter()
+            turns0, t0 = llm.collective_rpc(turn_seconds), time.perf_counter()
             for _ in range(STEPS):
                 engine.step()
-            out[f"{context}/{batch}"] = 1e3 * (time.perf_counter() - t0) / STEPS
-            print(f"[{mode}] L={context} B={batch}: {out[f'{context}/{batch}']:.2f} ms", flush=True)
+            wall, turns1 = time.perf_counter() - t0, llm.collective_rpc(turn_seconds)
+            point = {"turn_ms": [1e3 * (b - a) / STEPS for a, b in zip(turns0, turns1)],
+                     "wall_ms": 1e3 * wall / STEPS}
+            out[f"{context}/{batch}"] = point
+            print(f"[{config}] L={context} B={batch}: turn {max(point['turn_ms']):.2f} ms per rank (max), "
+                  f"wall {point['wall_ms']:.2f} ms", flush=True)
             Path(path).write_text(json.dumps(out))
         engine.abort_request(sorted(started))
         while engine.has_unfinished_requests():
             engine.step()
-    out["plan_ms"] = plan_host_ms()
+    if config == "pcp1":
+        out["plan_ms"] = plan_host_ms()
     Path(path).write_text(json.dumps(out))
 
 
 def plan_host_ms() -> dict:
     """{"N/B": ms} the host spends on a spread step's plan: owners, ``PCPPlan``, ``PCPContext``'s device
-    tensors (median of 20)."""
+    tensors (median of 20; already inside the turn times)."""
     import statistics
     from types import SimpleNamespace
 
@@ -96,7 +117,7 @@ def plan_host_ms() -> dict:
     from qwen36_pcp.plan import PCPPlan
 
     out = {}
-    for n in PCPS:
+    for n in (2, 4, 8):
         for b in (1, 8, 64):
             ids, computed = [f"r{i}" for i in range(b)], np.full(b, 16384)
             requests = {r: SimpleNamespace(num_tokens=16384) for r in ids}
@@ -113,7 +134,14 @@ def plan_host_ms() -> dict:
     return out
 
 
-def collectives_ms(n: int, batch: int) -> float:
+def graph_rows(rows: int) -> int:
+    """The size of the PIECEWISE graph a local batch of ``rows`` replays under vLLM's default capture
+    sizes (1, 2, 4, then multiples of 8 up to 256, of 16 beyond): its K/V gathers move that many."""
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+    return next((s for s in sizes if s >= rows), rows)
+
+
+def collectives_ms(n: int, batch: int, attention_layers: int = ATTENTION_LAYERS) -> float:
     """A spread decode step's collectives at pcp=n (``step_traffic`` of its plan, priced as
     ``predict_ttft`` prices a split step's)."""
     import numpy as np
@@ -122,88 +150,147 @@ def collectives_ms(n: int, batch: int) -> float:
     from qwen36_pcp.plan import PCPPlan
 
     owner = np.arange(batch) % n
-    plan = PCPPlan(np.full(batch, 4096), np.ones(batch), n, 0, PCPConfig(decode="spread"), owner)
+    plan = PCPPlan(np.full(batch, 4096), np.ones(batch), n, 0, PCPConfig(decode="spread"), owner,
+                   min_rows=graph_rows(math.ceil(batch / n)))
     shape = predict_ttft.layer_shape(1)
-    calls = step_traffic.attention(plan, shape) * ATTENTION_LAYERS + step_traffic.output(plan, shape, False)
+    calls = step_traffic.attention(plan, shape) * attention_layers + step_traffic.output(plan, shape, False)
     return 1e3 * sum(predict_ttft.collective_latency_s(n) + nbytes * (n - 1) / predict_ttft.NVLINK_BYTES_PER_S
                      for _, nbytes, _ in calls)
 
 
+PREDICT_PCPS, PREDICT_CONTEXTS, PREDICT_BATCHES = (2, 4, 8), (16384, 65536, 131072), (1, 8, 16, 64)
+
+
+def step_model(coef, rows: int, context: int) -> float:
+    a, b, c = coef["coef"]
+    return a + b * rows + c * rows * context / 1024
+
+
+def fit_step_model(rows: list[dict], ns: list[int]) -> dict:
+    """Least-squares fits of t = a + b x + c x L to the measured turn times: ``replicated`` (pcp=1's
+    whole batch, x = B) and ``spread`` (every spread config's points, x = its graph's rows)."""
+    import numpy as np
+
+    points = {"replicated": [(r["batch"], r["context"], r["replicated_ms"]) for r in rows],
+              "spread": [(graph_rows(math.ceil(r["batch"] / n)), r["context"], r[f"spread{n}_turn_ms"])
+                         for r in rows for n in ns if f"spread{n}_turn_ms" in r]}
+    fits = {}
+    for name, pts in points.items():
+        if len(pts) < 4:
+            continue
+        x, ctx, t = (np.array(v, dtype=float) for v in zip(*pts))
+        design = np.stack([np.ones_like(x), x, x * ctx / 1024], axis=1)
+        coef = np.linalg.lstsq(design, t, rcond=None)[0]
+        worst = float(np.max(np.abs(design @ coef - t) / t))
+        fits[name] = {"coef": [float(c) for c in coef], "worst": worst}
+    return fits if len(fits) == 2 else {}
+
+
 def report(out: str) -> dict:
-    data = {m: json.loads((Path(out) / f"{m}.json").read_text()) for m in MODES}
-    graphs, eager = data["graphs"], data["no_graphs"]
-    plan_ms = eager.get("plan_ms", {})
+    data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
+            if (Path(out) / f"{c}.json").exists()}
+    base = data["pcp1"]
+    spread = {CONFIGS[c]: d for c, d in data.items() if CONFIGS[c] > 1}
     rows = []
-    for key in (k for k in graphs if "/" in k and k in eager):
+    for key in (k for k in base if "/" in k):
         context, batch = map(int, key.split("/"))
-        row = {"context": context, "batch": batch, "replicated_ms": graphs[key], "no_graphs_ms": eager[key]}
-        for n in PCPS:
-            local = f"{context}/{math.ceil(batch / n)}"
-            host = plan_ms.get(f"{n}/{min((1, 8, 64), key=lambda b: abs(b - batch))}", 0.0)
-            if local in eager:
-                row[f"spread{n}_ms"] = eager[local] + collectives_ms(n, batch) + host
-            if local in graphs:  # were a spread step to replay graphs of its local batch
-                row[f"spread{n}_graphs_ms"] = graphs[local] + collectives_ms(n, batch) + host
+        row = {"context": context, "batch": batch, "replicated_ms": base[key]["turn_ms"][0],
+               "replicated_wall_ms": base[key]["wall_ms"]}
+        for n, d in spread.items():
+            if key in d:
+                row[f"spread{n}_turn_ms"] = max(d[key]["turn_ms"])
+                row[f"spread{n}_ms"] = row[f"spread{n}_turn_ms"] + collectives_ms(n, batch)
         rows.append(row)
-    lines = ["Decode step per rank (ms), Qwen3.6-35B-A3B shape, dummy weights, one H200",
-             "replicated = pcp=1 with CUDA graphs (measured; every rank at any pcp); spreadN = pcp=1 without "
-             "graphs at ceil(B/N) requests (measured) + collectives + host plan (predicted); (x) = replicated / spread",
-             f"{'context':>8} {'B':>3} {'replicated':>11} {'no graphs':>10} "
-             + " ".join(f"{'spread' + str(n):>16}" for n in PCPS)]
+    ns = sorted(spread)
+    lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {LAYERS} layers, dummy weights, "
+             "compiled with CUDA graphs, one H200, ranks taking turns",
+             "replicated: pcp=1's step (measured turn time; every rank of a replicated decode runs it); "
+             "spreadN: the slowest rank's turn time (measured) + the step's collectives on NVLink "
+             "(modelled); (x) = replicated / spread",
+             f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>24}" for n in ns)]
     for r in rows:
-        cells = [f"{r[f'spread{n}_ms']:8.2f} ({r['replicated_ms'] / r[f'spread{n}_ms']:4.2f}x)"
-                 if f"spread{n}_ms" in r else f"{'-':>16}" for n in PCPS]
-        lines.append(f"{r['context']:>8} {r['batch']:>3} {r['replicated_ms']:11.2f} {r['no_graphs_ms']:10.2f} "
-                     + " ".join(cells))
-    lines += ["", "spreadN with CUDA graphs of the local batch (not built; predicted: replicated at ceil(B/N) + the "
-              "same collectives and host plan)",
-              f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>16}" for n in PCPS)]
-    for r in rows:
-        cells = [f"{r[f'spread{n}_graphs_ms']:8.2f} ({r['replicated_ms'] / r[f'spread{n}_graphs_ms']:4.2f}x)"
-                 if f"spread{n}_graphs_ms" in r else f"{'-':>16}" for n in PCPS]
+        cells = [f"{r[f'spread{n}_turn_ms']:6.2f} + {r[f'spread{n}_ms'] - r[f'spread{n}_turn_ms']:4.2f} "
+                 f"({r['replicated_ms'] / r[f'spread{n}_ms']:4.2f}x)" if f"spread{n}_ms" in r else f"{'-':>24}"
+                 for n in ns]
         lines.append(f"{r['context']:>8} {r['batch']:>3} {r['replicated_ms']:11.2f} " + " ".join(cells))
-    lines.append("host plan of a spread step (ms, measured): "
+    fits = fit_step_model(rows, ns)
+    if fits:
+        lines += ["", "step-time model, fitted to the measured turn times: t = a + b x + c x L (x: rows a rank "
+                  "computes, padded to its graph's size for spread; L: context, k tokens): "
+                  + "; ".join(f"{k}: a={f['coef'][0]:.2f} ms, b={f['coef'][1]:.3f}, c={f['coef'][2]:.5f}, "
+                              f"worst fit error {100 * f['worst']:.0f}%" for k, f in fits.items()),
+                  "predicted per rank (ms; model + collectives), replicated vs spread (x)",
+                  f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>16}"
+                                                                           for n in PREDICT_PCPS)]
+        for context in PREDICT_CONTEXTS:
+            for batch in PREDICT_BATCHES:
+                rep = step_model(fits["replicated"], batch, context)
+                cells = []
+                for n in PREDICT_PCPS:
+                    spr = step_model(fits["spread"], graph_rows(math.ceil(batch / n)), context) + collectives_ms(n, batch)
+                    cells.append(f"{spr:8.2f} ({rep / spr:4.2f}x)")
+                lines.append(f"{context:>8} {batch:>3} {rep:11.2f} " + " ".join(cells))
+    kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
+    if kinds:
+        lines.append("model forwards by kind, per rank (whole: unsplit; graph: spread decode replaying its "
+                     "local graph; eager: other planned steps): "
+                     + "; ".join(f"{c}: {k}" for c, k in kinds.items()))
+    plan_ms = base.get("plan_ms", {})
+    lines.append("host plan of a spread step (ms, measured, inside the turn times): "
                  + ", ".join(f"pcp{k.split('/')[0]} B={k.split('/')[1]}: {v:.2f}" for k, v in plan_ms.items()))
     table = "\n".join(lines)
     print(table)
     (Path(out) / "table.txt").write_text(table + "\n")
-    (Path(out) / "bench_decode_spread.json").write_text(json.dumps(rows, indent=1))
 
     def draw(ax):
         for context in sorted({r["context"] for r in rows}):
-            for key, style, what in (("spread2_ms", "-", "as built"), ("spread2_graphs_ms", "--", "local graphs")):
-                pts = [r for r in rows if r["context"] == context and key in r]
-                ax.plot([r["batch"] for r in pts], [r["replicated_ms"] / r[key] for r in pts], style, marker="o",
-                        label=f"pcp=2, {context // 1024}k, {what}")
+            for n in ns:
+                pts = [r for r in rows if r["context"] == context and f"spread{n}_ms" in r]
+                ax.plot([r["batch"] for r in pts], [r["replicated_ms"] / r[f"spread{n}_ms"] for r in pts],
+                        marker="o", label=f"pcp={n}, {context // 1024}k context")
         ax.axhline(1.0, color="gray", lw=0.8)
-        log2_axes(ax, "requests decoding (B)", "replicated / spread step time",
-                  "Spread decode per rank, pcp=2 (predicted)")
+        log2_axes(ax, "requests decoding (B)", "replicated / spread step time per rank",
+                  "Spread decode per rank (measured turn time + modelled collectives)")
 
     save_figure(str(Path(out) / "decode_spread.png"), draw)
     return {"rows": rows}
 
 
+def child(config: str, model: str, out: str, sweep: dict) -> None:
+    from harness.shared_gpu import STEPS_ENV
+
+    steps = Path(out) / f"{config}.steps"
+    for old in steps.parent.glob(steps.name + ".*"):
+        old.unlink()
+    os.environ[STEPS_ENV] = str(steps)  # each rank records the kind of each step
+    path = str(Path(out) / f"{config}.json")
+    measure(model, config, sweep, path)
+    data = json.loads(Path(path).read_text())
+    data["step_kinds"] = [dict(collections.Counter(f.read_text().split()))
+                          for f in sorted(steps.parent.glob(steps.name + ".*"))]
+    Path(path).write_text(json.dumps(data))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/decode_spread")
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--contexts", type=int, nargs="+", default=list(SWEEP))
     parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--child", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     sweep = {c: SWEEP[c] for c in args.contexts}
     if args.child:
-        mode, model = args.child
-        measure(model, mode, sweep, str(Path(args.out) / f"{mode}.json"))
+        child(*args.child, args.out, sweep)
         return
     if not args.report_only:
-        model = bench_ttft.checkpoint(args.out)
-        for mode in args.modes:
+        model = bench_ttft.checkpoint(args.out, layers=LAYERS)
+        for config in args.configs:
             bench_ttft.run_child([__file__, "--out", args.out, "--contexts", *map(str, args.contexts),
-                                  "--child", mode, model], str(Path(args.out) / f"{mode}.log"), "race_free",
-                                 in_process=True)
-    if all((Path(args.out) / f"{m}.json").exists() for m in MODES):
+                                  "--child", config, model], str(Path(args.out) / f"{config}.log"), "race_free",
+                                 in_process=True, turns_lock=str(Path(args.out) / "turns.lock"))
+    if (Path(args.out) / "pcp1.json").exists():
         report(args.out)
 
 

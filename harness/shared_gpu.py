@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,8 @@ class Turns:
 
     fd: int | None = None
     held = False
+    held_s = 0.0  # time this rank has held the GPU (``turn_seconds``)
+    _since = 0.0
 
     @classmethod
     def open(cls) -> None:
@@ -59,7 +62,7 @@ class Turns:
         if cls.fd is None or cls.held:
             return False
         fcntl.flock(cls.fd, fcntl.LOCK_EX)
-        cls.held = True
+        cls.held, cls._since = True, time.perf_counter()
         return True
 
     @classmethod
@@ -67,6 +70,7 @@ class Turns:
         if cls.held:
             if torch.cuda.is_initialized():
                 torch.cuda.synchronize()
+            cls.held_s += time.perf_counter() - cls._since
             fcntl.flock(cls.fd, fcntl.LOCK_UN)
             cls.held = False
 
@@ -92,6 +96,12 @@ class Turns:
         finally:
             if held:
                 cls.take()
+
+
+def turn_seconds(worker=None) -> float:
+    """The time this worker's rank has held the shared GPU so far (a ``collective_rpc`` target): its
+    steps' own host and GPU time, as on a GPU of its own, without the time it waited in collectives."""
+    return Turns.held_s
 
 
 class HostStagedCommunicator(DeviceCommunicatorBase):
@@ -179,6 +189,7 @@ class SharedGPUWorker(PCPWorker):
         finally:
             torch.accelerator.device_count = real_count
         Turns.open()
+        record_step_kinds(self)
 
     def execute_model(self, scheduler_output):
         with Turns.turn():
@@ -208,6 +219,39 @@ def record_drafts(worker) -> None:
     req_ids = runner.input_batch.req_ids[: drafts.shape[0]]
     with open(f"{path}.{worker.rank}", "a") as f:
         f.write(json.dumps(dict(zip(req_ids, drafts.tolist()))) + "\n")
+
+
+STEPS_ENV = "QWEN36_PCP_RECORD_STEPS"
+
+
+class StepRecordingWorker(PCPWorker):
+    """The plugin's worker on GPUs of their own, recording its step kinds (``record_step_kinds``)."""
+
+    def init_device(self):
+        super().init_device()
+        record_step_kinds(self)
+
+
+def record_step_kinds(worker) -> None:
+    """With ``QWEN36_PCP_RECORD_STEPS=<file>``, each rank appends the kind of each model forward to
+    ``<file>.<rank>``, one per line: ``whole`` (an unsplit step), ``graph`` (a spread decode step
+    replaying its local PIECEWISE graph) or ``eager`` (any other planned step): a test sees which path
+    the steps took, which the answers alone cannot show."""
+    path = os.environ.get(STEPS_ENV)
+    runner = getattr(worker, "model_runner", None)
+    if not path or runner is None:
+        return
+    forward = runner._model_forward
+
+    def recorded(*args, **kwargs):
+        step = getattr(runner, "pcp_step", None)
+        kind = ("whole" if step is None or step.plan is None
+                else "graph" if step.graph is not None else "eager")
+        with open(f"{path}.{worker.rank}", "a") as f:
+            f.write(kind + "\n")
+        return forward(*args, **kwargs)
+
+    runner._model_forward = recorded
 
 
 _host_staged = False

@@ -113,6 +113,7 @@ class PCPPlan:
         config: PCPConfig = PCPConfig(),
         owner: np.ndarray | None = None,
         handover: np.ndarray | None = None,
+        min_rows: int = 1,
     ):
         self.num_computed = np.asarray(num_computed, dtype=np.int64)
         self.num_new = np.asarray(num_new, dtype=np.int64)
@@ -146,7 +147,8 @@ class PCPPlan:
         self.slot_of = [
             {(s.req, s.block): j for j, s in enumerate(segs)} for segs in self.segments
         ]
-        self.t_pad = max(1, max(sum(s.length for s in segs) for segs in self.segments))
+        # ``min_rows``: a spread decode step pads to the row count of the CUDA graph it replays
+        self.t_pad = max(1, int(min_rows), max(sum(s.length for s in segs) for segs in self.segments))
         self._build_row_maps()
 
     def _request_ranks(self, ranks, excluded: np.ndarray, message: str) -> np.ndarray:

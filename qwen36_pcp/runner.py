@@ -8,8 +8,8 @@ rows with the step's ``PCPContext`` in vLLM's forward context, and one all-gathe
 the rows vLLM reads next (each request's last row; every row when a request wants prompt logprobs), so
 sampling, logprobs and prompt logprobs see what they see at pcp == 1. An unsplit step (decode, short
 prompts) runs on every rank as at pcp == 1 and takes the rows that get sampled from rank 0; with
-``decode="spread"`` a step's decode rows go each to its request's owner instead, through the same
-path as a split step.
+``decode="spread"`` a step's decode rows go each to its request's owner instead, planned as a split
+step is; a step of decode rows alone replays vLLM's PIECEWISE CUDA graph of the rank's own rows.
 
 KV cache: vLLM 0.20.2 would shard it over the PCP ranks (and rejects hybrid models); here every rank
 holds the whole cache and every request's GDN states, so the block tables and slot mapping are
@@ -25,8 +25,9 @@ import numpy as np
 import torch
 import vllm.v1.worker.block_table as block_table_module
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
+from vllm.config import CUDAGraphMode
 from vllm.distributed import get_pcp_group
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import BatchDescriptor, get_forward_context
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -65,6 +66,7 @@ class PCPStep:
 
     plan: PCPPlan | None  # None: an unsplit step
     logits_indices: torch.Tensor  # the rows vLLM samples from
+    graph: BatchDescriptor | None = None  # a spread decode step's PIECEWISE graph (its local rows)
 
 
 class PCPModelRunner(GPUModelRunner):
@@ -95,15 +97,17 @@ class PCPModelRunner(GPUModelRunner):
     # ------------------------------------------------------------------------- the step
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self.pcp_step = PCPStep(self._plan(num_scheduled_tokens), logits_indices)
+        plan, graph = self._plan(num_scheduled_tokens)
+        self.pcp_step = PCPStep(plan, logits_indices, graph)
         return logits_indices, spec_decode_metadata
 
-    def _plan(self, num_new: np.ndarray) -> PCPPlan | None:
-        """The step's plan, or None when the step stays whole: no request has enough new tokens to
+    def _plan(self, num_new: np.ndarray) -> tuple[PCPPlan | None, BatchDescriptor | None]:
+        """The step's plan (None when the step stays whole: no request has enough new tokens to
         split and (``decode="spread"``) none decodes, or (speculative decoding) a request is past its
         prompt. With ``decode="spread"`` each decode row goes to its request's owner
         (``decode_owners``), and a step that hands a request's states over from its owner is planned
-        (the GDN layers broadcast them first) even when nothing splits.
+        (the GDN layers broadcast them first) even when nothing splits. A spread decode step also gets
+        the PIECEWISE graph its local rows replay (``_spread_graph``), its plan padded to that size.
 
         With speculative decoding, a step with any row past its prompt (decode rows, the drafts'
         verification rows) stays whole: the GDN layers keep those rows' states in a separate index
@@ -120,16 +124,43 @@ class PCPModelRunner(GPUModelRunner):
                 self.input_batch.num_prompt_tokens[:num_reqs], self.requests)
         if not self.pcp_config.step_splits(num_new, world) and (
                 owner is None or not ((owner >= 0).any() or (handover >= 0).any())):
-            return None
+            return None, None
         if self.speculative_config is not None and np.any(
                 num_computed + num_new > self.input_batch.num_prompt_tokens[:num_reqs]):
+            return None, None
+        graph = self._spread_graph(owner, num_new)
+        plan = PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config, owner,
+                       handover, min_rows=0 if graph is None else graph.num_tokens)
+        return plan, graph
+
+    def _spread_graph(self, owner: np.ndarray | None, num_new: np.ndarray) -> BatchDescriptor | None:
+        """The captured PIECEWISE CUDA graph a spread decode step runs its local rows through, or None.
+
+        vLLM's FULL graphs hold whole batches; its PIECEWISE graphs (captured for every size of
+        ``cudagraph_capture_sizes`` under ``FULL_AND_PIECEWISE``, the default) hold everything between
+        the attention and GDN ops, which run eagerly and read the step's plan. Each rank's local batch
+        (the most rows any rank owns, padded to a captured size) replays them: its cost follows
+        B / N, not B. None where vLLM has no such graph (``enforce_eager``, a mode without PIECEWISE,
+        more rows than ``max_cudagraph_capture_size``, LoRA), where the padded size exceeds the step's
+        rows (the inputs are written into the head of vLLM's whole-batch buffers), and where vLLM's
+        K/V write (``unified_kv_cache_update``) is inside the graphs (``splitting_ops`` set by the user,
+        Inductor's graph partition): replayed as captured, it would write this rank's rows to other
+        tokens' slots and skip the other ranks' rows; by default it is a splitting op, run eagerly."""
+        if (owner is None or not ((owner >= 0).all() and (num_new == 1).all())
+                or getattr(self, "lora_config", None) is not None
+                or not self.compilation_config.splitting_ops_contain_kv_cache_update()):
             return None
-        return PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config, owner,
-                       handover)
+        rows = int(np.bincount(owner, minlength=self.pcp_group.world_size).max())
+        mode, desc = self.cudagraph_dispatcher.dispatch(rows, valid_modes={CUDAGraphMode.PIECEWISE,
+                                                                            CUDAGraphMode.NONE})
+        if mode != CUDAGraphMode.PIECEWISE or desc.num_tokens > len(num_new):
+            return None
+        return desc
 
     def _determine_batch_execution_and_padding(self, *args, force_eager: bool = False, **kwargs):
-        # CUDA graphs were captured for whole-batch sizes; a split or spread step runs a local slice
-        # (through the compiled graph where there is one: force_eager only skips the graphs)
+        # vLLM dispatches the whole batch; a split or spread step runs a local slice (through the
+        # compiled graph where there is one: force_eager only skips the whole batch's graphs; a spread
+        # decode step switches to its local PIECEWISE graph in _model_forward)
         split = self.pcp_step is not None and self.pcp_step.plan is not None
         return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager or split, **kwargs)
 
@@ -151,17 +182,14 @@ class PCPModelRunner(GPUModelRunner):
             return rank0_rows(self.pcp_group, hidden, step.logits_indices.long())
         full = input_ids if input_ids is not None else inputs_embeds
         ctx = PCPContext(step.plan, self.pcp_group, full.device, num_tokens_padded=full.shape[0])
-        idx = ctx.t.local_idx
+        idx, in_place = ctx.t.local_idx, step.graph is not None
         forward_context = get_forward_context()
         forward_context.additional_kwargs[FORWARD_CONTEXT_KEY] = ctx
         try:
-            hidden = super()._model_forward(
-                None if input_ids is None else input_ids.index_select(0, idx),
-                None if positions is None else positions.index_select(-1, idx),
-                intermediate_tensors,
-                None if inputs_embeds is None else inputs_embeds.index_select(0, idx),
-                **model_kwargs,
-            )
+            with local_graph(forward_context, step.graph):
+                hidden = super()._model_forward(
+                    local_rows(input_ids, idx, 0, in_place), local_rows(positions, idx, -1, in_place),
+                    intermediate_tensors, local_rows(inputs_embeds, idx, 0, in_place), **model_kwargs)
         finally:
             forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
         return ctx.gather_output(hidden, all_rows=self._reads_every_row())
@@ -230,6 +258,35 @@ class PCPModelRunner(GPUModelRunner):
                 group.send(x, dst)
             elif rank == dst:
                 group.recv(x.shape, x.dtype, src)
+
+
+def local_rows(x: torch.Tensor | None, idx: torch.Tensor, dim: int, in_place: bool) -> torch.Tensor | None:
+    """The rank's rows of one of the step's inputs (``idx`` along ``dim``). ``in_place``: written into
+    the head of ``x`` and returned as that view: vLLM passes views of its persistent input buffers
+    from their start, and a CUDA graph replays what it read at capture, those buffers' heads."""
+    if x is None:
+        return None
+    rows = x.index_select(dim, idx)
+    if not in_place:
+        return rows
+    head = x.narrow(dim, 0, idx.numel())
+    head.copy_(rows)
+    return head
+
+
+@contextlib.contextmanager
+def local_graph(forward_context, graph: BatchDescriptor | None):
+    """vLLM's forward context set to replay the PIECEWISE graph ``graph`` (None: as it is) while
+    the model runs on the rank's rows; the runner's whole-batch dispatch is put back after."""
+    if graph is None:
+        yield
+        return
+    saved = forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor
+    forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor = CUDAGraphMode.PIECEWISE, graph
+    try:
+        yield
+    finally:
+        forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor = saved
 
 
 def rank0_rows(group, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """At a split step the narrow linear layers run on pcp=1's row count (cuBLAS then picks pcp=1's
-kernel); elsewhere they are the plain product."""
+kernel); elsewhere (a spread decode step included: its CUDA graph holds the op unpadded) they are the
+plain product."""
 
 from types import SimpleNamespace
 
@@ -19,7 +20,9 @@ def test_narrow_linear_runs_on_the_steps_full_row_count(monkeypatch):
     monkeypatch.setattr(frl.F, "linear", linear)
     x, w = torch.randn(5, 8), torch.randn(1, 8)
     ref = real(x, w)
-    for ctx, rows in ((None, 5), (SimpleNamespace(num_tokens_padded=12), 12)):
+    split, spread = (SimpleNamespace(num_tokens_padded=12, plan=SimpleNamespace(decode_spread_only=only))
+                     for only in (False, True))
+    for ctx, rows in ((None, 5), (split, 12), (spread, 5)):
         monkeypatch.setattr(frl, "current_pcp_context", lambda ctx=ctx: ctx)
         out = torch.ops.vllm.qwen36_pcp_full_rows_linear(x, w, None)
         assert shapes.pop() == (rows, 8)

@@ -164,10 +164,31 @@ def _image_step(runner, seen, dispatched):
             "image_rows": int((embeds[:n, 0] >= 10_000).sum()), "axes_differ": bool((pos[1] != pos[2]).any())}
 
 
+def _graphs(runner, mode, kv_write_split: bool = True) -> None:
+    """The runner's compilation config and vLLM's CUDA graph dispatcher with keys for graphs of 1, 2,
+    4 and 8 rows under ``mode``; ``kv_write_split``: vLLM's K/V write among the splitting ops (its
+    default: run eagerly between the graphs)."""
+    from vllm.config import CompilationConfig
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    ops = list(CompilationConfig._attention_ops)
+    if kv_write_split:
+        ops += ["vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
+    config = CompilationConfig(mode=3, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8],
+                               max_cudagraph_capture_size=8, splitting_ops=ops)
+    dispatcher = CudagraphDispatcher(SimpleNamespace(compilation_config=config, speculative_config=None,
+                                                     lora_config=None,
+                                                     scheduler_config=SimpleNamespace(max_num_seqs=16)))
+    dispatcher.initialize_cudagraph_keys(mode)
+    runner.compilation_config, runner.cudagraph_dispatcher = config, dispatcher
+
+
 def _spread_steps(rank, group):
     """decode="spread": a decode step, a step with decode rows beside a split and a short prompt, a
-    step of a short prompt alone, through one runner."""
-    from vllm.forward_context import ForwardContext, override_forward_context
+    step of a short prompt alone, through one runner whose vLLM captured PIECEWISE graphs; then the
+    decode step again where vLLM captured only FULL ones, and where its K/V write is inside the graphs."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import ForwardContext, get_forward_context, override_forward_context
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from qwen36_pcp.config import PCPConfig
@@ -182,14 +203,30 @@ def _spread_steps(rank, group):
     runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(decode="spread"), group, None
     runner.decode_owners = DecodeOwners(group.world_size)
     runner.speculative_config, runner.num_prompt_logprobs = None, {}
-    runner.model, runner.device = _model(rank, seen), torch.device("cpu")
+    model, modes = _model(rank, seen), []
+
+    def forward(**kw):  # also notes the graph mode the model ran under
+        context = get_forward_context()
+        modes.append((context.cudagraph_runtime_mode, context.batch_descriptor, kw["input_ids"].data_ptr()))
+        return model(**kw)
+
+    runner.model, runner.device = forward, torch.device("cpu")
+    _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
     results = {}
+    decode = (["a", "b", "c", "d", "e"], [17, 40, 3000, 700, 9], [1] * 5, [17, 40, 3000, 700, 9])
     for name, req_ids, num_computed, num_new, num_prompt in (
-            ("decode", ["a", "b", "c", "d", "e"], [17, 40, 3000, 700, 9], [1] * 5, [17, 40, 3000, 700, 9]),
+            ("decode", *decode),
             ("mixed", ["c", "a", "e", "p", "q"], [3001, 18, 10, 0, 0], [1, 1, 1, 5000, 30], [3000, 17, 9, 5000, 30]),
             ("prompt", ["r"], [0], [30], [30]),
             # request a, decoded on one rank, comes back with three tokens of a grown prompt
-            ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40])):
+            ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40]),
+            ("decode_full_graphs_only", *decode), ("decode_kv_write_in_graphs", *decode)):
+        if name.startswith("decode_"):  # the decode step again, on a fresh engine of another config
+            runner.decode_owners = DecodeOwners(group.world_size)
+            if name == "decode_full_graphs_only":
+                _graphs(runner, CUDAGraphMode.FULL_DECODE_ONLY)
+            else:
+                _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE, kv_write_split=False)
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
                                              num_prompt_tokens=np.array(num_prompt))
@@ -199,19 +236,32 @@ def _spread_steps(rank, group):
         runner._determine_batch_execution_and_padding(0, 0, num_new, 0, False)
         ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
         pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
-        with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
+        expected, original = _expected(ids, pos), ids.clone()
+        context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        with override_forward_context(context):
             hidden = runner._model_forward(input_ids=ids, positions=pos)
-        plan = runner.pcp_step.plan
-        results[name] = {"hidden": hidden, "expected": _expected(ids, pos), "rows": logits_indices.long(),
+        step = runner.pcp_step
+        plan = step.plan
+        # the model read the rank's rows from the head of the whole batch's buffer (graph replay) or
+        # from a copy, and the head holds the rank's rows (padding: row 0)
+        mode, descriptor, read_from = modes[-1]
+        local = np.maximum(plan.local_full_idx[rank], 0) if plan is not None else None
+        in_place = None if plan is None else (read_from == ids.data_ptr()
+                                              and torch.equal(ids[:plan.t_pad], original[local]))
+        results[name] = {"hidden": hidden, "expected": expected, "rows": logits_indices.long(),
                          "owner": None if plan is None else plan.owner.tolist(), "seen": seen[-1],
                          "handovers": None if plan is None else plan.handovers,
-                         "t_pad": None if plan is None else plan.t_pad, "force_eager": dispatched[-1]}
+                         "t_pad": None if plan is None else plan.t_pad, "force_eager": dispatched[-1],
+                         "graph": step.graph, "mode": (mode, descriptor), "in_place": in_place,
+                         "mode_after": (context.cudagraph_runtime_mode, context.batch_descriptor)}
         runner.pcp_step = None
     return results
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_spread_decode_steps_through_the_runner(world_size):
+    from vllm.config import CUDAGraphMode
+
     ranks = run_distributed(_spread_steps, world_size)
     for rank, results in enumerate(ranks):
         decode, mixed, prompt = (results[k] for k in ("decode", "mixed", "prompt"))
@@ -222,11 +272,25 @@ def test_spread_decode_steps_through_the_runner(world_size):
         # the same owners at the next step, where the decode rows sit beside a split and a short prompt
         owner_of = dict(zip("abcde", decode["owner"]))
         assert mixed["owner"] == [owner_of["c"], owner_of["a"], owner_of["e"], -1, -1]
-        # the rank ran its rows only (t_pad: the most any rank owns), without CUDA graphs
-        assert decode["seen"] == (decode["t_pad"], True) and decode["t_pad"] == -(-5 // world_size)
+        # the rank ran its rows only (the most any rank owns: 3 or 2, padded to a captured size: 4 or 2),
+        # without the whole batch's graphs (force_eager), through vLLM's PIECEWISE graph of that size:
+        # read from the head of the batch's buffers, where a replay reads, and the forward context put
+        # back after
+        graph = decode["graph"]
+        assert graph is not None and graph.num_tokens == (4 if world_size == 2 else 2)
+        assert decode["seen"] == (graph.num_tokens, True) and decode["t_pad"] == graph.num_tokens
+        assert decode["mode"] == (CUDAGraphMode.PIECEWISE, graph) and decode["in_place"]
+        assert decode["mode_after"] == (CUDAGraphMode.NONE, None)
         assert decode["force_eager"] and mixed["force_eager"] and mixed["seen"][1]
+        # a mixed step has no local graph: eager, from copies of its rows
+        assert mixed["graph"] is None and mixed["mode"] == (CUDAGraphMode.NONE, None) and not mixed["in_place"]
+        # where vLLM captured FULL graphs only, or its K/V write is inside the PIECEWISE graphs, the
+        # decode step runs eagerly on its rows unpadded
+        for eager in (results["decode_full_graphs_only"], results["decode_kv_write_in_graphs"]):
+            assert eager["graph"] is None and eager["t_pad"] == -(-5 // world_size) and not eager["in_place"]
+            assert eager["owner"] == decode["owner"] and eager["mode"] == (CUDAGraphMode.NONE, None)
         # every sampled row is its owner's, on every rank
-        for step in (decode, mixed, prompt):
+        for step in (decode, mixed, prompt, results["decode_full_graphs_only"], results["decode_kv_write_in_graphs"]):
             rows = step["rows"]
             assert torch.equal(step["hidden"][rows], step["expected"][rows]), rank
         # a step with neither decode rows nor a split stays whole

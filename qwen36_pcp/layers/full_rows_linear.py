@@ -8,7 +8,7 @@ rank ran half the step's rows (found with ``python -m tests.gpu.diagnose dump`` 
 runs on its rows padded to pcp=1's row count for the step (``PCPContext.num_tokens_padded``): cuBLAS
 then sees pcp=1's shape. For an output this narrow the extra rows cost next to nothing; the padded
 copy is one hidden-state tensor of the full step, which vLLM's memory profile (an unsplit step of
-that size) covers.
+that size) covers. A spread decode step is no split: its rows are a subset of pcp=1's batch anyway.
 
 The padding happens inside a custom op, where the step's PCP context is read at run time (a
 compiled graph would otherwise keep the branch it was traced with). ``PCPReplicatedLinear`` takes the
@@ -32,7 +32,9 @@ MAX_NARROW_OUTPUT = 1
 def _full_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     ctx = current_pcp_context()
     rows = x.shape[0]
-    full = 0 if ctx is None else ctx.num_tokens_padded
+    # a spread decode step keeps its own row count, whether it replays its local CUDA graph (which
+    # holds this op as captured, unpadded) or not: the same step gets the same bits either way
+    full = 0 if ctx is None or ctx.plan.decode_spread_only else ctx.num_tokens_padded
     if rows >= full:
         return F.linear(x, weight, bias)
     padded = x.new_empty((full, *x.shape[1:]))  # the extra rows' outputs are dropped

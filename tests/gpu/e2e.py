@@ -19,6 +19,7 @@ varies from run to run, and vLLM's kernels are not batch-invariant.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -101,6 +102,12 @@ def run_engine(spec: dict) -> dict:
 
         drafts_log = Path(tempfile.mkdtemp()) / "drafts.jsonl"
         os.environ[DRAFTS_ENV] = str(drafts_log)  # the workers (this process's children) append to it
+    steps_log = None
+    if spec.get("record_steps"):
+        from harness.shared_gpu import STEPS_ENV
+
+        steps_log = Path(tempfile.mkdtemp()) / "steps.txt"
+        os.environ[STEPS_ENV] = str(steps_log)  # the workers (this process's children) append to it
     t0 = time.time()
     llm = LLM(**spec["llm"])
     startup = time.time() - t0
@@ -122,6 +129,9 @@ def run_engine(spec: dict) -> dict:
         result["drafts_ranks"] = len(per_rank)
     for action in spec.get("actions", []):
         result[action] = ACTIONS[action](llm, spec)
+    if steps_log is not None:  # per rank: how many model forwards of each kind
+        result["step_kinds"] = [dict(collections.Counter(f.read_text().split()))
+                                for f in sorted(steps_log.parent.glob(steps_log.name + ".*"))]
     t2 = time.time()
     llm.llm_engine.engine_core.shutdown()
     result["shutdown_s"] = time.time() - t2

@@ -9,8 +9,9 @@ rank against pcp=1 (whose decode every rank of ``decode="replicated"`` repeats):
   mid-prefill;
 - ``preempt`` (eager, pcp = 2, 4): 32 requests of 1620 tokens in a KV cache of 19k tokens: each needs
   another block while it decodes, so vLLM preempts and recomputes requests decoding on one rank;
-- ``compiled`` (pcp=2; vLLM's defaults: torch.compile, CUDA graphs at pcp=1; spread steps run the
-  compiled graph without CUDA graphs): 24 requests of mixed lengths.
+- ``compiled`` (pcp = 2, 4, 8; vLLM's defaults: torch.compile and CUDA graphs): 24 requests of mixed
+  lengths; every rank's spread decode steps replay vLLM's PIECEWISE graphs of its local batch (each
+  rank records the kind of each step: ``step_kinds``), mixed steps run eagerly.
 A case passes when vLLM's check_logprobs_close rule holds for every prompt with no NaN/Inf; bit for bit
 is not expected (a rank's decode batch is not pcp=1's: flash-attention's split count and the GEMMs'
 kernels follow the row count).
@@ -29,7 +30,7 @@ SPREAD = {"decode": "spread", "min_split_tokens": 512}
 PREEMPT_PROMPT = 6 * 272 - 12
 PCPS = (1, 2, 4, 8)
 # engine -> the pcp sizes it runs at
-ENGINE_PCPS = {"main": PCPS, "preempt": (1, 2, 4), "compiled": (1, 2)}
+ENGINE_PCPS = {"main": PCPS, "preempt": (1, 2, 4), "compiled": PCPS}
 
 
 def mixed_lengths(count: int, longest: int) -> list[int]:
@@ -40,7 +41,14 @@ def mixed_lengths(count: int, longest: int) -> list[int]:
 def _specs() -> dict:
     ckpt = e2e.checkpoint("tiny")
     vocab = e2e.vocab_size(ckpt)
-    return {
+    return {  # compiled first: the engine pool starts jobs in this order
+        "compiled": {
+            # each rank records the kind of each step (on the shared GPU its worker does)
+            "llm": e2e.base_llm_kwargs(ckpt, max_model_len=24000,
+                                       worker_cls="harness.shared_gpu.StepRecordingWorker"),
+            "engine_core_in_process": True, "record_steps": True,
+            "batches": [e2e.prompt_ids(mixed_lengths(24, 12000), vocab, seed=25)],
+        },
         "main": {
             "llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True, max_model_len=24000),
             "engine_core_in_process": True,
@@ -55,10 +63,6 @@ def _specs() -> dict:
             "engine_core_in_process": True, "max_tokens": 48,
             "batches": [e2e.prompt_ids((PREEMPT_PROMPT,) * 32, vocab, seed=24)],
             "actions": ["preemptions"],
-        },
-        "compiled": {
-            "llm": e2e.base_llm_kwargs(ckpt, max_model_len=24000), "engine_core_in_process": True,
-            "batches": [e2e.prompt_ids(mixed_lengths(24, 12000), vocab, seed=25)],
         },
     }
 
@@ -97,5 +101,10 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 assert res["abort_mid_prefill"]["finished"].get("survivor") == 8, res["abort_mid_prefill"]
             if name == "preempt":
                 assert res["preemptions"] > 0, "the small KV cache preempted nothing"
+            if name == "compiled":
+                c["step_kinds"] = res["step_kinds"]
+                print(f"[spread] compiled pcp{pcp} step kinds per rank: {res['step_kinds']}")
+                # every rank ran spread decode steps through its local graph
+                assert len(res["step_kinds"]) == pcp and all(k.get("graph", 0) > 0 for k in res["step_kinds"])
     e2e.save("decode_spread_e2e", report)
     assert not failed, failed
