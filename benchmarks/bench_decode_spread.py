@@ -36,7 +36,7 @@ from benchmarks.plot import log2_axes, save_figure  # noqa: E402
 LAYERS = 8
 ATTENTION_LAYERS = LAYERS // 4
 SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated: a quick prefill here
-CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4}  # -> ranks
+CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4, "pcp1_piecewise": 1}  # -> ranks
 # context -> batch sizes
 SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16)}
 STEPS, WARMUP = 24, 4
@@ -50,6 +50,8 @@ def engine_args(config: str) -> dict:
                 kv_cache_memory_bytes=8 << 30)
     if ranks > 1:
         args["additional_config"] = {"qwen36_pcp": SPREAD}
+    if config == "pcp1_piecewise":  # vLLM's PIECEWISE graphs alone: what a spread rank replays, at pcp=1
+        args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     return args
 
 
@@ -159,16 +161,26 @@ def collectives_ms(n: int, batch: int, attention_layers: int = ATTENTION_LAYERS)
 
 
 PREDICT_PCPS, PREDICT_CONTEXTS, PREDICT_BATCHES = (2, 4, 8), (16384, 65536, 131072), (1, 8, 16, 64)
+# a decode row reads its context's K/V in every attention layer: 2 KV heads x 256 x (K, V) x bf16
+KV_BYTES_PER_TOKEN_LAYER = 2 * 256 * 2 * 2
+HBM_BYTES_PER_S = 0.8 * 4.8e12  # H200, 80% of peak
 
 
-def step_model(coef, rows: int, context: int) -> float:
-    a, b, c = coef["coef"]
-    return a + b * rows + c * rows * context / 1024
+def kv_read_ms(rows: int, context: int, attention_layers: int = ATTENTION_LAYERS) -> float:
+    """The attention layers' K/V reads of ``rows`` decode rows of ``context`` tokens, at HBM speed."""
+    return 1e3 * rows * context * KV_BYTES_PER_TOKEN_LAYER * attention_layers / HBM_BYTES_PER_S
+
+
+def step_model(fit: dict, rows: int, context: int) -> float:
+    a, b = fit["coef"]
+    return a + b * rows + kv_read_ms(rows, context)
 
 
 def fit_step_model(rows: list[dict], ns: list[int]) -> dict:
-    """Least-squares fits of t = a + b x + c x L to the measured turn times: ``replicated`` (pcp=1's
-    whole batch, x = B) and ``spread`` (every spread config's points, x = its graph's rows)."""
+    """t = a + b x + K/V reads (x: the rows a rank computes; the reads priced at HBM speed, too small
+    to fit at these contexts), a and b fitted to the measured turn times by least squares, for
+    ``replicated`` (pcp=1's whole batch, x = B) and ``spread`` (every spread config, x = its graph's
+    rows). The point furthest off (relative) is left out when it is more than 50% off."""
     import numpy as np
 
     points = {"replicated": [(r["batch"], r["context"], r["replicated_ms"]) for r in rows],
@@ -179,10 +191,17 @@ def fit_step_model(rows: list[dict], ns: list[int]) -> dict:
         if len(pts) < 4:
             continue
         x, ctx, t = (np.array(v, dtype=float) for v in zip(*pts))
-        design = np.stack([np.ones_like(x), x, x * ctx / 1024], axis=1)
-        coef = np.linalg.lstsq(design, t, rcond=None)[0]
-        worst = float(np.max(np.abs(design @ coef - t) / t))
-        fits[name] = {"coef": [float(c) for c in coef], "worst": worst}
+        y = t - np.array([kv_read_ms(int(a), int(c)) for a, c in zip(x, ctx)])
+        keep, dropped = np.ones(len(x), dtype=bool), None
+        for _ in range(2):
+            design = np.stack([np.ones_like(x), x], axis=1)
+            coef = np.linalg.lstsq(design[keep], y[keep], rcond=None)[0]
+            err = np.abs(design @ coef - y) / t
+            worst = int(np.argmax(np.where(keep, err, -1)))
+            if dropped is not None or err[worst] <= 0.5:
+                break
+            keep[worst], dropped = False, pts[worst]
+        fits[name] = {"coef": [float(c) for c in coef], "worst": float(np.max(err[keep])), "dropped": dropped}
     return fits if len(fits) == 2 else {}
 
 
@@ -191,11 +210,14 @@ def report(out: str) -> dict:
             if (Path(out) / f"{c}.json").exists()}
     base = data["pcp1"]
     spread = {CONFIGS[c]: d for c, d in data.items() if CONFIGS[c] > 1}
+    piecewise = data.get("pcp1_piecewise", {})
     rows = []
     for key in (k for k in base if "/" in k):
         context, batch = map(int, key.split("/"))
         row = {"context": context, "batch": batch, "replicated_ms": base[key]["turn_ms"][0],
                "replicated_wall_ms": base[key]["wall_ms"]}
+        if key in piecewise:
+            row["piecewise_ms"] = piecewise[key]["turn_ms"][0]
         for n, d in spread.items():
             if key in d:
                 row[f"spread{n}_turn_ms"] = max(d[key]["turn_ms"])
@@ -215,11 +237,13 @@ def report(out: str) -> dict:
         lines.append(f"{r['context']:>8} {r['batch']:>3} {r['replicated_ms']:11.2f} " + " ".join(cells))
     fits = fit_step_model(rows, ns)
     if fits:
-        lines += ["", "step-time model, fitted to the measured turn times: t = a + b x + c x L (x: rows a rank "
-                  "computes, padded to its graph's size for spread; L: context, k tokens): "
-                  + "; ".join(f"{k}: a={f['coef'][0]:.2f} ms, b={f['coef'][1]:.3f}, c={f['coef'][2]:.5f}, "
-                              f"worst fit error {100 * f['worst']:.0f}%" for k, f in fits.items()),
-                  "predicted per rank (ms; model + collectives), replicated vs spread (x)",
+        lines += ["", "step-time model: t = a + b x + K/V reads (x: rows a rank computes, padded to its graph's "
+                  "size for spread; reads priced at 80% of HBM peak), a and b fitted to the turn times above: "
+                  + "; ".join(f"{k}: a={f['coef'][0]:.2f} ms, b={f['coef'][1]:.3f} ms/row, worst fit error "
+                              f"{100 * f['worst']:.0f}%" + (f", left out (B or rows, L, ms) {f['dropped']}"
+                                                           if f["dropped"] else "")
+                              for k, f in fits.items()),
+                  f"predicted per rank ({LAYERS} layers, ms: model + collectives), replicated vs spread (x)",
                   f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>16}"
                                                                            for n in PREDICT_PCPS)]
         for context in PREDICT_CONTEXTS:
@@ -227,7 +251,8 @@ def report(out: str) -> dict:
                 rep = step_model(fits["replicated"], batch, context)
                 cells = []
                 for n in PREDICT_PCPS:
-                    spr = step_model(fits["spread"], graph_rows(math.ceil(batch / n)), context) + collectives_ms(n, batch)
+                    local = graph_rows(math.ceil(batch / n))
+                    spr = step_model(fits["spread"], local, context) + collectives_ms(n, batch)
                     cells.append(f"{spr:8.2f} ({rep / spr:4.2f}x)")
                 lines.append(f"{context:>8} {batch:>3} {rep:11.2f} " + " ".join(cells))
     kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
@@ -243,16 +268,21 @@ def report(out: str) -> dict:
     (Path(out) / "table.txt").write_text(table + "\n")
 
     def draw(ax):
-        for context in sorted({r["context"] for r in rows}):
-            for n in ns:
-                pts = [r for r in rows if r["context"] == context and f"spread{n}_ms" in r]
-                ax.plot([r["batch"] for r in pts], [r["replicated_ms"] / r[f"spread{n}_ms"] for r in pts],
-                        marker="o", label=f"pcp={n}, {context // 1024}k context")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        log2_axes(ax, "requests decoding (B)", "replicated / spread step time per rank",
-                  "Spread decode per rank (measured turn time + modelled collectives)")
+        for context, style in zip(sorted({r["context"] for r in rows}), ("-", "--", ":")):
+            pts = [r for r in rows if r["context"] == context]
+            for key, name, color in (("replicated_ms", "replicated", "C0"),
+                                     *((f"spread{n}_ms", f"spread pcp={n}", f"C{i + 1}") for i, n in enumerate(ns))):
+                have = [r for r in pts if key in r]
+                ax.plot([r["batch"] for r in have], [r[key] for r in have], style, color=color, marker="o",
+                        label=f"{name}, {context // 1024}k context")
+        dropped = fits.get("replicated", {}).get("dropped") if fits else None
+        if dropped:
+            ax.annotate("outlier (left out of the fit)", (dropped[0], dropped[2]), textcoords="offset points",
+                        xytext=(8, -4), fontsize=8)
+        log2_axes(ax, "requests decoding (B)", "decode step per rank (ms)",
+                  f"Decode step per rank, {LAYERS} layers (measured turn times)")
 
-    save_figure(str(Path(out) / "decode_spread.png"), draw)
+    save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="lower left", bbox_to_anchor=(0.0, 0.12), ncol=2)
     return {"rows": rows}
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def save_figure(path: str, draw) -> None:
-    """``draw(ax)`` fills one axes; the figure goes to ``path``. Without matplotlib, says so and skips."""
+def save_figure(path: str, draw, **legend) -> None:
+    """``draw(ax)`` fills one axes; the figure goes to ``path`` (``legend``: the legend's options).
+    Without matplotlib, says so and skips."""
     try:
         import matplotlib
     except ImportError:
@@ -15,7 +16,7 @@ def save_figure(path: str, draw) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     draw(ax)
-    ax.legend()
+    ax.legend(**legend)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
