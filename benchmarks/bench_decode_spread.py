@@ -16,6 +16,13 @@ spread plan, priced by ``predict_ttft``'s NVLink model). Each rank also records 
 
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread            # one GPU, ~8 min
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread --report-only
+    python benchmarks/bench_decode_spread.py --out /tmp/ds_profile --configs pcp2_spread pcp1_piecewise \
+        --contexts 4096 --profile      # where a step's time goes: torch profiler traces, per rank
+
+``--profile`` also records 8 decode steps of 16 requests of 4k tokens under vLLM's torch profiler and
+reports per rank and step: the GPU's busy time against the span of its kernels (the rest: the GPU
+waiting for the host), and the host time of vLLM's custom ops (the attention, GDN and K/V-write ops
+that run between the graphs; ``CUDAGraph`` replays) by name.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import collections
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -40,6 +48,7 @@ CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4, "pcp1_piecewise": 1}  
 # context -> batch sizes
 SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16)}
 STEPS, WARMUP = 24, 4
+PROFILE_POINT, PROFILE_STEPS = (4096, 16), 8
 MAX_PREFILL_STEPS = 400
 
 
@@ -55,8 +64,9 @@ def engine_args(config: str) -> dict:
     return args
 
 
-def measure(model: str, config: str, sweep: dict, path: str) -> None:
-    """{"L/B": {"turn_ms": [per rank], "wall_ms": ms}} into ``path`` after each point."""
+def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | None = None) -> None:
+    """{"L/B": {"turn_ms": [per rank], "wall_ms": ms}} into ``path`` after each point; with
+    ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too."""
     from vllm import SamplingParams
 
     from harness.shared_gpu import turn_seconds
@@ -64,7 +74,7 @@ def measure(model: str, config: str, sweep: dict, path: str) -> None:
     longest = max(sweep)
     llm = bench_ttft.engine(model, "pcp1", longest, compiled=True, max_num_batched_tokens=32768,
                             max_num_seqs=max(max(b) for b in sweep.values()),
-                            max_model_len=longest + 2048, **engine_args(config))
+                            max_model_len=longest + 2048, **engine_args(config), **profiler_args(trace_dir))
     engine = llm.llm_engine
     out: dict = {"config": config}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
@@ -96,12 +106,53 @@ def measure(model: str, config: str, sweep: dict, path: str) -> None:
             print(f"[{config}] L={context} B={batch}: turn {max(point['turn_ms']):.2f} ms per rank (max), "
                   f"wall {point['wall_ms']:.2f} ms", flush=True)
             Path(path).write_text(json.dumps(out))
+            if trace_dir and (context, batch) == PROFILE_POINT:
+                llm.start_profile()
+                for _ in range(PROFILE_STEPS):
+                    engine.step()
+                llm.stop_profile()
         engine.abort_request(sorted(started))
         while engine.has_unfinished_requests():
             engine.step()
     if config == "pcp1":
         out["plan_ms"] = plan_host_ms()
     Path(path).write_text(json.dumps(out))
+
+
+def profiler_args(trace_dir: str | None) -> dict:
+    if not trace_dir:
+        return {}
+    return {"profiler_config": dict(profiler="torch", torch_profiler_dir=os.path.abspath(trace_dir),
+                                    torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False)}
+
+
+def summarize_profile(trace_dir: str, top: int = 8) -> dict:
+    """Per rank and step: GPU busy and span (``profile_prefill.summarize_trace``) and the host time of
+    the custom ops and graph replays by name (their own spans on the host)."""
+    import glob
+    import gzip
+
+    from benchmarks.profile_prefill import summarize_trace
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(trace_dir, "*.pt.trace.json*"))):
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        gpu = summarize_trace(events)
+        if not gpu:
+            continue
+        host: dict[str, float] = {}
+        for e in events:
+            name = e.get("name", "")
+            if e.get("ph") == "X" and e.get("cat") == "cpu_op" and (name.startswith("vllm::")
+                                                                   or "CUDAGraph" in name):
+                host[name] = host.get(name, 0.0) + e["dur"] / 1e3 / PROFILE_STEPS
+        rank = re.search(r"rank\d+", os.path.basename(path))
+        label = rank.group(0) if rank else os.path.basename(path).split(".")[0]
+        out[label] = {"gpu_busy_ms": gpu["busy_ms"] / PROFILE_STEPS, "gpu_span_ms": gpu["span_ms"] / PROFILE_STEPS,
+                      "host_ops_ms": dict(sorted(host.items(), key=lambda kv: -kv[1])[:top])}
+    return out
 
 
 def plan_host_ms() -> dict:
@@ -183,7 +234,7 @@ def fit_step_model(rows: list[dict], ns: list[int]) -> dict:
     rows). The point furthest off (relative) is left out when it is more than 50% off."""
     import numpy as np
 
-    points = {"replicated": [(r["batch"], r["context"], r["replicated_ms"]) for r in rows],
+    points = {"replicated": [(r["batch"], r["context"], r["replicated_ms"]) for r in rows if "replicated_ms" in r],
               "spread": [(graph_rows(math.ceil(r["batch"] / n)), r["context"], r[f"spread{n}_turn_ms"])
                          for r in rows for n in ns if f"spread{n}_turn_ms" in r]}
     fits = {}
@@ -208,33 +259,39 @@ def fit_step_model(rows: list[dict], ns: list[int]) -> dict:
 def report(out: str) -> dict:
     data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
             if (Path(out) / f"{c}.json").exists()}
-    base = data["pcp1"]
+    base, piecewise = data.get("pcp1", {}), data.get("pcp1_piecewise", {})
     spread = {CONFIGS[c]: d for c, d in data.items() if CONFIGS[c] > 1}
-    piecewise = data.get("pcp1_piecewise", {})
+    keys = sorted({k for d in data.values() for k in d if "/" in k}, key=lambda k: tuple(map(int, k.split("/"))))
     rows = []
-    for key in (k for k in base if "/" in k):
+    for key in keys:
         context, batch = map(int, key.split("/"))
-        row = {"context": context, "batch": batch, "replicated_ms": base[key]["turn_ms"][0],
-               "replicated_wall_ms": base[key]["wall_ms"]}
-        if key in piecewise:
-            row["piecewise_ms"] = piecewise[key]["turn_ms"][0]
+        row = {"context": context, "batch": batch}
+        for name, d in (("replicated_ms", base), ("piecewise_ms", piecewise)):
+            if key in d:
+                row[name] = d[key]["turn_ms"][0]
         for n, d in spread.items():
             if key in d:
                 row[f"spread{n}_turn_ms"] = max(d[key]["turn_ms"])
                 row[f"spread{n}_ms"] = row[f"spread{n}_turn_ms"] + collectives_ms(n, batch)
         rows.append(row)
     ns = sorted(spread)
+
+    def ms(r, key, width):
+        return f"{r[key]:{width}.2f}" if key in r else f"{'-':>{width}}"
+
     lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {LAYERS} layers, dummy weights, "
              "compiled with CUDA graphs, one H200, ranks taking turns",
              "replicated: pcp=1's step (measured turn time; every rank of a replicated decode runs it); "
-             "spreadN: the slowest rank's turn time (measured) + the step's collectives on NVLink "
-             "(modelled); (x) = replicated / spread",
-             f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>24}" for n in ns)]
+             "piecewise: pcp=1 with vLLM's PIECEWISE graphs alone (measured); spreadN: the slowest rank's "
+             "turn time (measured) + the step's collectives on NVLink (modelled); (x) = replicated / spread",
+             f"{'context':>8} {'B':>3} {'replicated':>11} {'piecewise':>10} "
+             + " ".join(f"{'spread' + str(n):>24}" for n in ns)]
     for r in rows:
         cells = [f"{r[f'spread{n}_turn_ms']:6.2f} + {r[f'spread{n}_ms'] - r[f'spread{n}_turn_ms']:4.2f} "
-                 f"({r['replicated_ms'] / r[f'spread{n}_ms']:4.2f}x)" if f"spread{n}_ms" in r else f"{'-':>24}"
-                 for n in ns]
-        lines.append(f"{r['context']:>8} {r['batch']:>3} {r['replicated_ms']:11.2f} " + " ".join(cells))
+                 + (f"({r['replicated_ms'] / r[f'spread{n}_ms']:4.2f}x)" if "replicated_ms" in r else " " * 7)
+                 if f"spread{n}_ms" in r else f"{'-':>24}" for n in ns]
+        lines.append(f"{r['context']:>8} {r['batch']:>3} {ms(r, 'replicated_ms', 11)} {ms(r, 'piecewise_ms', 10)} "
+                     + " ".join(cells))
     fits = fit_step_model(rows, ns)
     if fits:
         lines += ["", "step-time model: t = a + b x + K/V reads (x: rows a rank computes, padded to its graph's "
@@ -255,6 +312,12 @@ def report(out: str) -> dict:
                     spr = step_model(fits["spread"], local, context) + collectives_ms(n, batch)
                     cells.append(f"{spr:8.2f} ({rep / spr:4.2f}x)")
                 lines.append(f"{context:>8} {batch:>3} {rep:11.2f} " + " ".join(cells))
+    profiles = {c: d["profile"] for c, d in data.items() if d.get("profile")}
+    for config, ranks in profiles.items():
+        lines.append(f"profile of {config}, {PROFILE_POINT[1]} requests of {PROFILE_POINT[0]} tokens, per step (ms):")
+        for label, p in ranks.items():
+            ops = ", ".join(f"{k} {v:.2f}" for k, v in p["host_ops_ms"].items())
+            lines.append(f"  {label}: GPU busy {p['gpu_busy_ms']:.2f} of span {p['gpu_span_ms']:.2f}; host: {ops}")
     kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
     if kinds:
         lines.append("model forwards by kind, per rank (whole: unsplit; graph: spread decode replaying its "
@@ -270,11 +333,12 @@ def report(out: str) -> dict:
     def draw(ax):
         for context, style in zip(sorted({r["context"] for r in rows}), ("-", "--", ":")):
             pts = [r for r in rows if r["context"] == context]
-            for key, name, color in (("replicated_ms", "replicated", "C0"),
+            for key, name, color in (("replicated_ms", "replicated", "C0"), ("piecewise_ms", "pcp=1 PIECEWISE", "C7"),
                                      *((f"spread{n}_ms", f"spread pcp={n}", f"C{i + 1}") for i, n in enumerate(ns))):
                 have = [r for r in pts if key in r]
-                ax.plot([r["batch"] for r in have], [r[key] for r in have], style, color=color, marker="o",
-                        label=f"{name}, {context // 1024}k context")
+                if have:
+                    ax.plot([r["batch"] for r in have], [r[key] for r in have], style, color=color, marker="o",
+                            label=f"{name}, {context // 1024}k context")
         dropped = fits.get("replicated", {}).get("dropped") if fits else None
         if dropped:
             ax.annotate("outlier (left out of the fit)", (dropped[0], dropped[2]), textcoords="offset points",
@@ -286,7 +350,7 @@ def report(out: str) -> dict:
     return {"rows": rows}
 
 
-def child(config: str, model: str, out: str, sweep: dict) -> None:
+def child(config: str, model: str, out: str, sweep: dict, profile: bool = False) -> None:
     from harness.shared_gpu import STEPS_ENV
 
     steps = Path(out) / f"{config}.steps"
@@ -294,8 +358,11 @@ def child(config: str, model: str, out: str, sweep: dict) -> None:
         old.unlink()
     os.environ[STEPS_ENV] = str(steps)  # each rank records the kind of each step
     path = str(Path(out) / f"{config}.json")
-    measure(model, config, sweep, path)
+    trace_dir = str(Path(out) / f"{config}_traces") if profile else None
+    measure(model, config, sweep, path, trace_dir)
     data = json.loads(Path(path).read_text())
+    if trace_dir:
+        data["profile"] = summarize_profile(trace_dir)
     data["step_kinds"] = [dict(collections.Counter(f.read_text().split()))
                           for f in sorted(steps.parent.glob(steps.name + ".*"))]
     Path(path).write_text(json.dumps(data))
@@ -307,21 +374,21 @@ def main():
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--contexts", type=int, nargs="+", default=list(SWEEP))
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     sweep = {c: SWEEP[c] for c in args.contexts}
     if args.child:
-        child(*args.child, args.out, sweep)
+        child(*args.child, args.out, sweep, args.profile)
         return
     if not args.report_only:
         model = bench_ttft.checkpoint(args.out, layers=LAYERS)
         for config in args.configs:
             bench_ttft.run_child([__file__, "--out", args.out, "--contexts", *map(str, args.contexts),
-                                  "--child", config, model], str(Path(args.out) / f"{config}.log"), "race_free",
+                                  *(["--profile"] if args.profile else []), "--child", config, model], str(Path(args.out) / f"{config}.log"), "race_free",
                                  in_process=True, turns_lock=str(Path(args.out) / "turns.lock"))
-    if (Path(args.out) / "pcp1.json").exists():
-        report(args.out)
+    report(args.out)
 
 
 if __name__ == "__main__":
