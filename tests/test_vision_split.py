@@ -6,7 +6,10 @@ Two halves of one claim, both against the whole batch encoded at once:
   it (and a share that cut a frame, or mislabelled a share's grids, would not be);
 - on real gloo ranks (vLLM's GroupCoordinator, 2, 4 and 8 ranks), the shares, the padded all-gather
   and the item split give every rank every item's embeddings in order, ranks without frames
-  included, with a stand-in tower that is frame-local as the real one is.
+  included, with a stand-in tower that is frame-local as the real one is;
+- at tp=2 x pcp=2 with ``mm_encoder_tp_mode="data"`` (vLLM's process groups, the real tower), the
+  model's ``_encode_split``: each PCP rank's share sharded over its TP ranks by vLLM's balancing,
+  gives every rank the whole batch's rows.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def _real_tower(ckpt: str) -> dict:
             out[world] = (torch.cat(parts) - whole).abs().max().item()
         # mm_encoder_tp_mode="data": vLLM's sharded encoding of the frames one by one, as
         # Qwen3_6ForConditionalGeneration._encode_split hands them: the call and its output order
-        # (one TP rank here; how vLLM balances the frames over several is not covered)
+        # (one TP rank here; over two: test_data_parallel_encoder_at_tp2_pcp2)
         from vllm.model_executor.models.vision import run_dp_sharded_mrope_vision_model
 
         frames = [[1, h, w] for t, h, w in BATCH for _ in range(t)]
@@ -91,6 +94,75 @@ def test_real_tower_encodes_frames_apart_exactly(tmp_path):
         assert out[world] == 0.0, (world, out)
     assert out["data_parallel"] == 0.0, out
     assert out["broken"] > 1e-3 * out["scale"], out
+
+
+def _data_parallel_split(rank, world_size, port, ckpt):
+    """``Qwen3_6ForConditionalGeneration._encode_split`` on one rank of tp=2 x pcp=2, the tower in
+    vLLM's data-parallel mode, against the whole batch through the same tower."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
+
+    import qwen36_pcp
+    from qwen36_pcp.model.qwen3_6_vl import Qwen3_6ForConditionalGeneration
+    from tests.fake_cuda import engine_config
+
+    qwen36_pcp.register()
+    cfg = engine_config(ckpt, hf_overrides={"architectures": ["Qwen3_6ForConditionalGeneration"]},
+                        mm_encoder_attn_backend="TORCH_SDPA", mm_encoder_tp_mode="data",
+                        tensor_parallel_size=2, prefill_context_parallel_size=2)
+    vision = cfg.model_config.hf_config.vision_config
+    with set_current_vllm_config(cfg), torch.device("cpu"):
+        init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+        initialize_model_parallel(2, 1, prefill_context_model_parallel_size=2, backend="gloo")
+        torch.manual_seed(0)  # the same weights on every rank
+        tower = Qwen3_VisionTransformer(vision, prefix="visual")
+        for p in tower.parameters():
+            p.data.normal_(0, 0.05)
+        process_weights_after_loading(tower, cfg.model_config, torch.device("cpu"))
+    pixels = torch.randn(sum(t * h * w for t, h, w in BATCH), 3 * vision.temporal_patch_size * vision.patch_size ** 2,
+                         generator=torch.Generator().manual_seed(1))
+    model = SimpleNamespace(visual=tower, use_data_parallel=True)
+    with set_current_vllm_config(cfg), torch.inference_mode():
+        whole = tower(pixels, grid_thw=BATCH)
+        encoded, forward = [], tower.forward  # the patches this rank's tower encodes
+
+        def counted(x, grid_thw, **kw):
+            encoded.append(int(torch.as_tensor(grid_thw).prod(-1).sum()))
+            return forward(x, grid_thw=grid_thw, **kw)
+
+        tower.forward = counted
+        items = Qwen3_6ForConditionalGeneration._encode_split(model, pixels, torch.tensor(BATCH))
+    full = torch.cat(items)
+    from vllm.distributed import get_pcp_group, get_tp_group
+
+    share, _ = frame_shares(BATCH, 2)[get_pcp_group().rank_in_group]
+    return {"tp_sharded": tower.tp_size == 1,  # data-parallel: the tower whole on every TP rank
+            "diff": (full - whole).abs().max().item() if full.shape == whole.shape else float("inf"),
+            "items": [tuple(x.shape) for x in items], "scale": whole.abs().mean().item(),
+            "pcp_rank": get_pcp_group().rank_in_group, "tp_rank": get_tp_group().rank_in_group,
+            "encoded": sum(encoded), "share": share.stop - share.start}
+
+
+def test_data_parallel_encoder_at_tp2_pcp2(tmp_path):
+    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+    from tests.fake_cuda import RankServer
+
+    ckpt = make_checkpoint(tmp_path / "tiny", preset="tiny", seed=0)
+    with RankServer() as server:
+        ranks = server.run(_data_parallel_split, 4, str(ckpt))
+    expected = [(t * h * w // MERGE, ranks[0]["items"][0][1]) for t, h, w in BATCH]
+    for rank, out in enumerate(ranks):
+        assert out["tp_sharded"] and out["items"] == expected and out["scale"] > 0, (rank, out)
+        assert out["diff"] < 1e-5 * max(out["scale"], 1.0), (rank, out)
+    # each PCP rank's share went to its two TP ranks by vLLM's balancing: both encoded part of it
+    for pcp_rank in (0, 1):
+        pair = [r for r in ranks if r["pcp_rank"] == pcp_rank]
+        assert sorted(r["tp_rank"] for r in pair) == [0, 1]
+        assert sum(r["encoded"] for r in pair) == pair[0]["share"] and all(r["encoded"] > 0 for r in pair), pair
 
 
 def _frame_local(pixels: torch.Tensor, grids) -> torch.Tensor:
