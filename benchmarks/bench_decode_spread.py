@@ -28,7 +28,6 @@ that run between the graphs; ``CUDAGraph`` replays) by name.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
 import os
@@ -45,6 +44,7 @@ LAYERS = 8
 ATTENTION_LAYERS = LAYERS // 4
 SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated: a quick prefill here
 CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4, "pcp1_piecewise": 1}  # -> ranks
+DEFAULT_CONFIGS = ("pcp1", "pcp2_spread", "pcp4_spread")
 # context -> batch sizes
 SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16)}
 STEPS, WARMUP = 24, 4
@@ -54,9 +54,7 @@ MAX_PREFILL_STEPS = 400
 
 def engine_args(config: str) -> dict:
     ranks = CONFIGS[config]
-    args = dict(prefill_context_parallel_size=ranks, worker_cls="harness.shared_gpu.SharedGPUWorker",
-                distributed_executor_backend="mp", gpu_memory_utilization=0.9 / ranks,
-                kv_cache_memory_bytes=8 << 30)
+    args = dict(prefill_context_parallel_size=ranks, **bench_ttft.shared_gpu_args(ranks))
     if ranks > 1:
         args["additional_config"] = {"qwen36_pcp": SPREAD}
     if config == "pcp1_piecewise":  # vLLM's PIECEWISE graphs alone: what a spread rank replays, at pcp=1
@@ -72,6 +70,7 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     from harness.shared_gpu import turn_seconds
 
     longest = max(sweep)
+    # bench_ttft's pcp1 engine, made this config's by engine_args (its pcp size, the shared GPU)
     llm = bench_ttft.engine(model, "pcp1", longest, compiled=True, max_num_batched_tokens=32768,
                             max_num_seqs=max(max(b) for b in sweep.values()),
                             max_model_len=longest + 2048, **engine_args(config), **profiler_args(trace_dir))
@@ -190,7 +189,7 @@ def plan_host_ms() -> dict:
 def graph_rows(rows: int) -> int:
     """The size of the PIECEWISE graph a local batch of ``rows`` replays under vLLM's default capture
     sizes (1, 2, 4, then multiples of 8 up to 256, of 16 beyond): its K/V gathers move that many."""
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM 0.20.2's config/vllm.py
     return next((s for s in sizes if s >= rows), rows)
 
 
@@ -272,6 +271,7 @@ def report(out: str) -> dict:
         for n, d in spread.items():
             if key in d:
                 row[f"spread{n}_turn_ms"] = max(d[key]["turn_ms"])
+                row[f"spread{n}_fastest_ms"] = min(d[key]["turn_ms"])
                 row[f"spread{n}_ms"] = row[f"spread{n}_turn_ms"] + collectives_ms(n, batch)
         rows.append(row)
     ns = sorted(spread)
@@ -279,26 +279,32 @@ def report(out: str) -> dict:
     def ms(r, key, width):
         return f"{r[key]:{width}.2f}" if key in r else f"{'-':>{width}}"
 
+    with_piecewise = any("piecewise_ms" in r for r in rows)
     lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {LAYERS} layers, dummy weights, "
              "compiled with CUDA graphs, one H200, ranks taking turns",
              "replicated: pcp=1's step (measured turn time; every rank of a replicated decode runs it); "
-             "piecewise: pcp=1 with vLLM's PIECEWISE graphs alone (measured); spreadN: the slowest rank's "
-             "turn time (measured) + the step's collectives on NVLink (modelled); (x) = replicated / spread",
-             f"{'context':>8} {'B':>3} {'replicated':>11} {'piecewise':>10} "
-             + " ".join(f"{'spread' + str(n):>24}" for n in ns)]
+             + ("piecewise: pcp=1 with vLLM's PIECEWISE graphs alone (measured); " if with_piecewise else "")
+             + "spreadN: the slowest rank's turn time (measured) + the step's collectives on NVLink (modelled); "
+             "(x) = replicated / spread. A spread rank's turn time is an upper bound of its step on a GPU of "
+             "its own: each collective drains the GPU and copies through host memory inside the turn "
+             "(see the fastest rank's turn time, a rank owning no row at B=1)",
+             f"{'context':>8} {'B':>3} {'replicated':>11} " + (f"{'piecewise':>10} " if with_piecewise else "")
+             + " ".join(f"{'spread' + str(n):>24} {'fastest':>7}" for n in ns)]
     for r in rows:
-        cells = [f"{r[f'spread{n}_turn_ms']:6.2f} + {r[f'spread{n}_ms'] - r[f'spread{n}_turn_ms']:4.2f} "
-                 + (f"({r['replicated_ms'] / r[f'spread{n}_ms']:4.2f}x)" if "replicated_ms" in r else " " * 7)
-                 if f"spread{n}_ms" in r else f"{'-':>24}" for n in ns]
-        lines.append(f"{r['context']:>8} {r['batch']:>3} {ms(r, 'replicated_ms', 11)} {ms(r, 'piecewise_ms', 10)} "
-                     + " ".join(cells))
+        cells = [(f"{r[f'spread{n}_ms']:14.2f} "
+                  + (f"({r['replicated_ms'] / r[f'spread{n}_ms']:4.2f}x)" if "replicated_ms" in r else " " * 7)
+                  + f"  {r[f'spread{n}_fastest_ms']:7.2f}")
+                 if f"spread{n}_ms" in r else f"{'-':>24} {'-':>7}" for n in ns]
+        lines.append(f"{r['context']:>8} {r['batch']:>3} {ms(r, 'replicated_ms', 11)} "
+                     + (f"{ms(r, 'piecewise_ms', 10)} " if with_piecewise else "") + " ".join(cells))
     fits = fit_step_model(rows, ns)
     if fits:
         lines += ["", "step-time model: t = a + b x + K/V reads (x: rows a rank computes, padded to its graph's "
                   "size for spread; reads priced at 80% of HBM peak), a and b fitted to the turn times above: "
                   + "; ".join(f"{k}: a={f['coef'][0]:.2f} ms, b={f['coef'][1]:.3f} ms/row, worst fit error "
-                              f"{100 * f['worst']:.0f}%" + (f", left out (B or rows, L, ms) {f['dropped']}"
-                                                           if f["dropped"] else "")
+                              f"{100 * f['worst']:.0f}%" + (", left out (B or rows, L, ms) "
+                                                           f"({f['dropped'][0]}, {f['dropped'][1]}, "
+                                                           f"{f['dropped'][2]:.2f})" if f["dropped"] else "")
                               for k, f in fits.items()),
                   f"predicted per rank ({LAYERS} layers, ms: model + collectives), replicated vs spread (x)",
                   f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>16}"
@@ -314,18 +320,21 @@ def report(out: str) -> dict:
                 lines.append(f"{context:>8} {batch:>3} {rep:11.2f} " + " ".join(cells))
     profiles = {c: d["profile"] for c, d in data.items() if d.get("profile")}
     for config, ranks in profiles.items():
-        lines.append(f"profile of {config}, {PROFILE_POINT[1]} requests of {PROFILE_POINT[0]} tokens, per step (ms):")
+        lines.append(f"profile of {config}, {PROFILE_POINT[1]} requests of {PROFILE_POINT[0]} tokens, "
+                     "per step (ms):")
         for label, p in ranks.items():
             ops = ", ".join(f"{k} {v:.2f}" for k, v in p["host_ops_ms"].items())
-            lines.append(f"  {label}: GPU busy {p['gpu_busy_ms']:.2f} of span {p['gpu_span_ms']:.2f}; host: {ops}")
+            lines.append(f"  {label}: GPU busy {p['gpu_busy_ms']:.2f} of span {p['gpu_span_ms']:.2f}; "
+                         f"host: {ops}")
     kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
     if kinds:
         lines.append("model forwards by kind, per rank (whole: unsplit; graph: spread decode replaying its "
                      "local graph; eager: other planned steps): "
                      + "; ".join(f"{c}: {k}" for c, k in kinds.items()))
     plan_ms = base.get("plan_ms", {})
-    lines.append("host plan of a spread step (ms, measured, inside the turn times): "
-                 + ", ".join(f"pcp{k.split('/')[0]} B={k.split('/')[1]}: {v:.2f}" for k, v in plan_ms.items()))
+    if plan_ms:
+        lines.append("host plan of a spread step (ms, measured, inside the turn times): "
+                     + ", ".join(f"pcp{k.split('/')[0]} B={k.split('/')[1]}: {v:.2f}" for k, v in plan_ms.items()))
     table = "\n".join(lines)
     print(table)
     (Path(out) / "table.txt").write_text(table + "\n")
@@ -344,7 +353,7 @@ def report(out: str) -> dict:
             ax.annotate("outlier (left out of the fit)", (dropped[0], dropped[2]), textcoords="offset points",
                         xytext=(8, -4), fontsize=8)
         log2_axes(ax, "requests decoding (B)", "decode step per rank (ms)",
-                  f"Decode step per rank, {LAYERS} layers (measured turn times)")
+                  f"Decode step per rank, {LAYERS} layers (measured; spread: upper bound)")
 
     save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="lower left", bbox_to_anchor=(0.0, 0.12), ncol=2)
     return {"rows": rows}
@@ -352,6 +361,8 @@ def report(out: str) -> dict:
 
 def child(config: str, model: str, out: str, sweep: dict, profile: bool = False) -> None:
     from harness.shared_gpu import STEPS_ENV
+
+    from harness.shared_gpu import read_step_kinds
 
     steps = Path(out) / f"{config}.steps"
     for old in steps.parent.glob(steps.name + ".*"):
@@ -363,22 +374,23 @@ def child(config: str, model: str, out: str, sweep: dict, profile: bool = False)
     data = json.loads(Path(path).read_text())
     if trace_dir:
         data["profile"] = summarize_profile(trace_dir)
-    data["step_kinds"] = [dict(collections.Counter(f.read_text().split()))
-                          for f in sorted(steps.parent.glob(steps.name + ".*"))]
+    data["step_kinds"] = read_step_kinds(steps)
     Path(path).write_text(json.dumps(data))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/decode_spread")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--contexts", type=int, nargs="+", default=list(SWEEP))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS))
+    parser.add_argument("--contexts", type=int, nargs="+", choices=list(SWEEP), default=list(SWEEP))
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     sweep = {c: SWEEP[c] for c in args.contexts}
+    if args.profile and PROFILE_POINT[1] not in sweep.get(PROFILE_POINT[0], ()):
+        parser.error(f"--profile profiles the point L={PROFILE_POINT[0]}, B={PROFILE_POINT[1]}: keep that context")
     if args.child:
         child(*args.child, args.out, sweep, args.profile)
         return

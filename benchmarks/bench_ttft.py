@@ -76,7 +76,11 @@ def shared_gpu_engine_args(config: str) -> dict:
     (``run_child(turns_lock=...)`` names the lock): each rank's kernels run alone, so per-rank kernel
     times are those of one GPU per rank. The ranks share the GPU's memory."""
     cfg = CONFIGS[config]
-    ranks = cfg.get("tensor_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1)
+    return shared_gpu_args(cfg.get("tensor_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1))
+
+
+def shared_gpu_args(ranks: int) -> dict:
+    """An engine of ``ranks`` ranks on GPU 0 (``shared_gpu_engine_args``)."""
     return dict(worker_cls="harness.shared_gpu.SharedGPUWorker", distributed_executor_backend="mp",
                 gpu_memory_utilization=0.9 / ranks, kv_cache_memory_bytes=8 << 30)
 

@@ -254,6 +254,15 @@ def record_step_kinds(worker) -> None:
     runner._model_forward = recorded
 
 
+def read_step_kinds(path) -> list[dict]:
+    """Per rank, how many model forwards of each kind ``record_step_kinds`` wrote to ``<path>.<rank>``."""
+    from collections import Counter
+    from pathlib import Path
+
+    path = Path(path)
+    return [dict(Counter(f.read_text().split())) for f in sorted(path.parent.glob(path.name + ".*"))]
+
+
 _host_staged = False
 
 

@@ -92,6 +92,11 @@ def block_bounds(num_tokens: int, num_blocks: int) -> np.ndarray:
     return bounds
 
 
+def spread_decode_step(owner: np.ndarray | None, num_new: np.ndarray) -> bool:
+    """Whether a step is a spread decode step: every request one new token, on its owner."""
+    return owner is not None and len(num_new) > 0 and bool((owner >= 0).all()) and bool((num_new == 1).all())
+
+
 def block_owner(block: int, world_size: int, layout: str) -> int:
     if layout == "contiguous":
         return block
@@ -210,7 +215,7 @@ class PCPPlan:
     def decode_spread_only(self) -> bool:
         """Every request is one owned row (a spread decode step): each rank runs vLLM's decode kernels
         on its own rows, with no collective but the K/V and output gathers."""
-        return bool(self.num_reqs) and bool((self.owner >= 0).all()) and bool((self.num_new == 1).all())
+        return spread_decode_step(self.owner, self.num_new)
 
     @property
     def local_segments(self) -> list[Segment]:

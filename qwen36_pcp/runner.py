@@ -36,7 +36,7 @@ from .decode_owners import DecodeOwners
 from .layers.classes import adopt_pcp_attention, pcp_model_build
 from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
-from .plan import PCPPlan
+from .plan import PCPPlan, spread_decode_step
 
 
 @contextlib.contextmanager
@@ -141,13 +141,12 @@ class PCPModelRunner(GPUModelRunner):
         the attention and GDN ops, which run eagerly and read the step's plan. Each rank's local batch
         (the most rows any rank owns, padded to a captured size) replays them: its cost follows
         B / N, not B. None where vLLM has no such graph (``enforce_eager``, a mode without PIECEWISE,
-        more rows than ``max_cudagraph_capture_size``, LoRA), where the padded size exceeds the step's
+        more rows than ``max_cudagraph_capture_size``), where the padded size exceeds the step's
         rows (the inputs are written into the head of vLLM's whole-batch buffers), and where vLLM's
         K/V write (``unified_kv_cache_update``) is inside the graphs (``splitting_ops`` set by the user,
         Inductor's graph partition): replayed as captured, it would write this rank's rows to other
         tokens' slots and skip the other ranks' rows; by default it is a splitting op, run eagerly."""
-        if (owner is None or not ((owner >= 0).all() and (num_new == 1).all())
-                or getattr(self, "lora_config", None) is not None
+        if (not spread_decode_step(owner, num_new)
                 or not self.compilation_config.splitting_ops_contain_kv_cache_update()):
             return None
         rows = int(np.bincount(owner, minlength=self.pcp_group.world_size).max())

@@ -102,7 +102,7 @@ def _data_parallel_split(rank, world_size, port, ckpt):
     from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import get_pcp_group, get_tp_group, init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
 
@@ -137,10 +137,8 @@ def _data_parallel_split(rank, world_size, port, ckpt):
         tower.forward = counted
         items = Qwen3_6ForConditionalGeneration._encode_split(model, pixels, torch.tensor(BATCH))
     full = torch.cat(items)
-    from vllm.distributed import get_pcp_group, get_tp_group
-
     share, _ = frame_shares(BATCH, 2)[get_pcp_group().rank_in_group]
-    return {"tp_sharded": tower.tp_size == 1,  # data-parallel: the tower whole on every TP rank
+    return {"tower_whole": tower.tp_size == 1,  # data-parallel: the tower whole on every TP rank
             "diff": (full - whole).abs().max().item() if full.shape == whole.shape else float("inf"),
             "items": [tuple(x.shape) for x in items], "scale": whole.abs().mean().item(),
             "pcp_rank": get_pcp_group().rank_in_group, "tp_rank": get_tp_group().rank_in_group,
@@ -156,7 +154,7 @@ def test_data_parallel_encoder_at_tp2_pcp2(tmp_path):
         ranks = server.run(_data_parallel_split, 4, str(ckpt))
     expected = [(t * h * w // MERGE, ranks[0]["items"][0][1]) for t, h, w in BATCH]
     for rank, out in enumerate(ranks):
-        assert out["tp_sharded"] and out["items"] == expected and out["scale"] > 0, (rank, out)
+        assert out["tower_whole"] and out["items"] == expected and out["scale"] > 0, (rank, out)
         assert out["diff"] < 1e-5 * max(out["scale"], 1.0), (rank, out)
     # each PCP rank's share went to its two TP ranks by vLLM's balancing: both encoded part of it
     for pcp_rank in (0, 1):

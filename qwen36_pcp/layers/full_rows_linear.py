@@ -32,8 +32,8 @@ MAX_NARROW_OUTPUT = 1
 def _full_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     ctx = current_pcp_context()
     rows = x.shape[0]
-    # a spread decode step keeps its own row count, whether it replays its local CUDA graph (which
-    # holds this op as captured, unpadded) or not: the same step gets the same bits either way
+    # a spread decode step runs it unpadded: inside its local CUDA graph the op runs as captured
+    # (unpadded), so it does the same where the step runs eagerly
     full = 0 if ctx is None or ctx.plan.decode_spread_only else ctx.num_tokens_padded
     if rows >= full:
         return F.linear(x, weight, bias)

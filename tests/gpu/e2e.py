@@ -19,7 +19,6 @@ varies from run to run, and vLLM's kernels are not batch-invariant.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import subprocess
@@ -130,8 +129,9 @@ def run_engine(spec: dict) -> dict:
     for action in spec.get("actions", []):
         result[action] = ACTIONS[action](llm, spec)
     if steps_log is not None:  # per rank: how many model forwards of each kind
-        result["step_kinds"] = [dict(collections.Counter(f.read_text().split()))
-                                for f in sorted(steps_log.parent.glob(steps_log.name + ".*"))]
+        from harness.shared_gpu import read_step_kinds
+
+        result["step_kinds"] = read_step_kinds(steps_log)
     t2 = time.time()
     llm.llm_engine.engine_core.shutdown()
     result["shutdown_s"] = time.time() - t2
