@@ -355,7 +355,8 @@ def report(out: str) -> dict:
         log2_axes(ax, "requests decoding (B)", "decode step per rank (ms)",
                   f"Decode step per rank, {LAYERS} layers (measured; spread: upper bound)")
 
-    save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="lower left", bbox_to_anchor=(0.0, 0.12), ncol=2)
+    save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="lower left",
+                bbox_to_anchor=(0.0, 0.12), ncol=2)
     return {"rows": rows}
 
 
@@ -397,9 +398,10 @@ def main():
     if not args.report_only:
         model = bench_ttft.checkpoint(args.out, layers=LAYERS)
         for config in args.configs:
-            bench_ttft.run_child([__file__, "--out", args.out, "--contexts", *map(str, args.contexts),
-                                  *(["--profile"] if args.profile else []), "--child", config, model], str(Path(args.out) / f"{config}.log"), "race_free",
-                                 in_process=True, turns_lock=str(Path(args.out) / "turns.lock"))
+            argv = [__file__, "--out", args.out, "--contexts", *map(str, args.contexts),
+                    *(["--profile"] if args.profile else []), "--child", config, model]
+            bench_ttft.run_child(argv, str(Path(args.out) / f"{config}.log"), "race_free", in_process=True,
+                                 turns_lock=str(Path(args.out) / "turns.lock"))
     report(args.out)
 
 
