@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.dist import run_distributed, run_isolated
+from harness.dist import run_distributed
 from qwen36_pcp.layers.vision_split import frame_bounds, frame_shares, sub_grids
 
 # an image, a video, a small image, a video (grids in patches: [t, h, w])
@@ -38,23 +38,31 @@ def test_frame_bounds_balance_patches_in_order():
     assert sorted(np.diff(frame_bounds([[1, 16, 16]], 4)).tolist()) == [0, 0, 0, 1]  # one image: one rank
 
 
-def _real_tower(ckpt: str) -> dict:
-    from tests.fake_cuda import engine_config, use_fake_cuda
+@pytest.fixture(scope="module")
+def tiny_ckpt_server(tmp_path_factory):
+    """A tiny checkpoint and one fake-CUDA rank server for the tests below (one vLLM import)."""
+    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+    from tests.fake_cuda import RankServer
 
-    use_fake_cuda()
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0)
+    with RankServer() as server:
+        yield str(ckpt), server
+
+
+def _real_tower(rank, world_size, port, ckpt: str) -> dict:
+    from tests.fake_cuda import engine_config
+
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
-
-    from tests.fake_cuda import free_port
 
     cfg = engine_config(ckpt, hf_overrides={"architectures": ["Qwen3_6ForConditionalGeneration"]},
                         mm_encoder_attn_backend="TORCH_SDPA")
     vision = cfg.model_config.hf_config.vision_config
     torch.manual_seed(0)
     with set_current_vllm_config(cfg), torch.device("cpu"):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
         initialize_model_parallel(1, 1, backend="gloo")
         tower = Qwen3_VisionTransformer(vision, prefix="visual")
         for p in tower.parameters():
@@ -84,11 +92,9 @@ def _real_tower(ckpt: str) -> dict:
     return out
 
 
-def test_real_tower_encodes_frames_apart_exactly(tmp_path):
-    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
-
-    ckpt = make_checkpoint(tmp_path / "tiny", preset="tiny", seed=0)
-    out = run_isolated(_real_tower, str(ckpt))
+def test_real_tower_encodes_frames_apart_exactly(tiny_ckpt_server):
+    ckpt, server = tiny_ckpt_server
+    (out,) = server.run(_real_tower, 1, ckpt)
     assert out["rows"] == sum(t * h * w for t, h, w in BATCH) // MERGE and out["scale"] > 0
     for world in (2, 4, 8):
         assert out[world] == 0.0, (world, out)
@@ -145,13 +151,9 @@ def _data_parallel_split(rank, world_size, port, ckpt):
             "encoded": sum(encoded), "share": share.stop - share.start}
 
 
-def test_data_parallel_encoder_at_tp2_pcp2(tmp_path):
-    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
-    from tests.fake_cuda import RankServer
-
-    ckpt = make_checkpoint(tmp_path / "tiny", preset="tiny", seed=0)
-    with RankServer() as server:
-        ranks = server.run(_data_parallel_split, 4, str(ckpt))
+def test_data_parallel_encoder_at_tp2_pcp2(tiny_ckpt_server):
+    ckpt, server = tiny_ckpt_server
+    ranks = server.run(_data_parallel_split, 4, ckpt)
     expected = [(t * h * w // MERGE, ranks[0]["items"][0][1]) for t, h, w in BATCH]
     for rank, out in enumerate(ranks):
         assert out["tower_whole"] and out["items"] == expected and out["scale"] > 0, (rank, out)
