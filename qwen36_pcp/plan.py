@@ -141,6 +141,8 @@ class PCPPlan:
         # the rank that alone computes each request (decode="spread"), -1: replicated or split
         self.owner = self._request_ranks(owner, self.split, "owner must give each request a rank, or -1 "
                                                            "(replicated or split)")
+        # the rank holding the primary copy of an unsplit request: its owner, else rank 0
+        self.whole_rank = np.maximum(self.owner, 0)
         # the rank whose GDN states of a request every rank needs first (``DecodeOwners``), -1: none
         handover = self._request_ranks(handover, self.owner >= 0,
                                        "handover must name a rank only for requests without an owner")
@@ -190,7 +192,7 @@ class PCPPlan:
                 offs.append(row)
                 full = self.req_start[s.req] + np.arange(s.start, s.end)
                 self.local_full_idx[r, row : row + s.length] = full
-                self.primary[r, row : row + s.length] = s.block >= 0 or r == max(int(self.owner[s.req]), 0)
+                self.primary[r, row : row + s.length] = s.block >= 0 or r == self.whole_rank[s.req]
                 row += s.length
             offs.append(row)
             self.seg_offsets.append(np.asarray(offs, dtype=np.int64))
@@ -326,7 +328,7 @@ class PCPPlan:
                 owner = block_owner(b, self.world_size, self.config.layout)
                 end = int(bounds[b + 1])
             else:
-                b, owner, end = -1, max(int(self.owner[i]), 0), int(self.num_new[i])
+                b, owner, end = -1, int(self.whole_rank[i]), int(self.num_new[i])
             slot = self.slot_of[owner][(i, b)]
             off = p - (end - w1)
             assert 0 <= off < w1, "conv halo reaches past the tail of its segment"

@@ -69,29 +69,37 @@ def _image_prompt(num_tokens: int, images: list[tuple[int, int, int]]):
     return embeds, positions
 
 
+def _stand_in_runner(group, config, model, dispatched: list):
+    """A ``PCPModelRunner``'s own state, without vLLM's GPU buffers, with vLLM's parts of a step stood
+    in for in this rank's process (``_prepare_inputs``: each request's last row; the batch dispatch:
+    ``force_eager`` noted in ``dispatched``)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from qwen36_pcp.decode_owners import DecodeOwners
+    from qwen36_pcp.runner import PCPModelRunner
+
+    GPUModelRunner._prepare_inputs = lambda self, so, n: (torch.from_numpy(np.cumsum(n) - 1).to(torch.int32), None)
+    GPUModelRunner._determine_batch_execution_and_padding = (
+        lambda self, *a, force_eager=False, **kw: dispatched.append(force_eager))
+    runner = object.__new__(PCPModelRunner)
+    runner.pcp_config, runner.pcp_group, runner.pcp_step = config, group, None
+    runner.decode_owners = DecodeOwners(group.world_size) if config.decode == "spread" else None
+    runner.speculative_config, runner.num_prompt_logprobs = None, {}
+    runner.model, runner.device = model, torch.device("cpu")
+    return runner
+
+
 def _steps(rank, group):
     """Three steps through one runner: a split step, the same with prompt logprobs, an unsplit one."""
     from vllm.forward_context import ForwardContext, override_forward_context
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from qwen36_pcp.config import PCPConfig
-    from qwen36_pcp.runner import PCPModelRunner
 
-    # vLLM's parts of the step, stood in for in this rank's process
-    dispatched = []
-    GPUModelRunner._prepare_inputs = lambda self, so, n: (torch.from_numpy(
-        np.cumsum(n) - 1).to(torch.int32), None)
-    GPUModelRunner._determine_batch_execution_and_padding = (
-        lambda self, *a, force_eager=False, **kw: dispatched.append(force_eager))
+    dispatched, seen = [], []
+    runner = _stand_in_runner(group, PCPConfig(min_split_tokens=512), _model(rank, seen), dispatched)
     # each rank's drafter proposes its own tokens (as if its kernels had rounded differently)
     GPUModelRunner.propose_draft_token_ids = lambda self, *a, **kw: torch.full((3, 2), 100 + rank)
-
-    seen = []
-    runner = object.__new__(PCPModelRunner)  # the runner's state, without vLLM's GPU buffers
-    runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(min_split_tokens=512), group, None
-    runner.decode_owners = None
-    runner.speculative_config = None
-    runner.model, runner.device = _model(rank, seen), torch.device("cpu")
     runner._warm_pcp_collectives()  # every rank in chain order: returns (no rank waits for ever)
     results = {}
     # decodes first (vLLM's order), a continuing prompt, a fresh one; 4 rows of padding
@@ -189,20 +197,11 @@ def _spread_steps(rank, group):
     decode step again where vLLM captured only FULL ones, and where its K/V write is inside the graphs."""
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import ForwardContext, get_forward_context, override_forward_context
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.decode_owners import DecodeOwners
-    from qwen36_pcp.runner import PCPModelRunner
 
     dispatched, seen = [], []
-    GPUModelRunner._prepare_inputs = lambda self, so, n: (torch.from_numpy(np.cumsum(n) - 1).to(torch.int32), None)
-    GPUModelRunner._determine_batch_execution_and_padding = (
-        lambda self, *a, force_eager=False, **kw: dispatched.append(force_eager))
-    runner = object.__new__(PCPModelRunner)
-    runner.pcp_config, runner.pcp_group, runner.pcp_step = PCPConfig(decode="spread"), group, None
-    runner.decode_owners = DecodeOwners(group.world_size)
-    runner.speculative_config, runner.num_prompt_logprobs = None, {}
     model, modes = _model(rank, seen), []
 
     def forward(**kw):  # also notes the graph mode the model ran under
@@ -210,7 +209,7 @@ def _spread_steps(rank, group):
         modes.append((context.cudagraph_runtime_mode, context.batch_descriptor, kw["input_ids"].data_ptr()))
         return model(**kw)
 
-    runner.model, runner.device = forward, torch.device("cpu")
+    runner = _stand_in_runner(group, PCPConfig(decode="spread"), forward, dispatched)
     _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
     results = {}
     decode = (["a", "b", "c", "d", "e"], [17, 40, 3000, 700, 9], [1] * 5, [17, 40, 3000, 700, 9])
