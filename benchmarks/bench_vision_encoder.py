@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/
+from benchmarks.plot import save_figure  # noqa: E402
 
 FRAMES = 64
 # (frames, width, height) -> 32 x (W/32) x (H/32) tokens: 6.3k, 12.5k, 28.2k, 61.4k
@@ -127,26 +128,20 @@ def table(rows: dict) -> str:
 
 
 def plot(rows: dict, path: Path) -> None:
-    import matplotlib
+    def draw(ax):
+        for i, (name, r) in enumerate(rows.items()):
+            color = f"C{i}"
+            ax.plot(PCPS, [100 * r["share"][n] for n in PCPS], marker="o", color=color,
+                    label=f"{name} ({r['tokens']} tokens)")
+            ax.plot(PCPS, [100 * r["share_split"][n] for n in PCPS], marker="x", ls="--", color=color)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(PCPS, [str(n) for n in PCPS])
+        ax.set_xlabel("pcp")
+        ax.set_ylabel("encoder share of TTFT, %")
+        ax.set_title("Vision encoder share of TTFT: replicated (o) and split (x, dashed)\n"
+                     "encoder measured per rank on 1 x H200, language model predicted", fontsize=9)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (name, r) in enumerate(rows.items()):
-        color = f"C{i}"
-        ax.plot(PCPS, [100 * r["share"][n] for n in PCPS], marker="o", color=color,
-                label=f"{name} ({r['tokens']} tokens)")
-        ax.plot(PCPS, [100 * r["share_split"][n] for n in PCPS], marker="x", ls="--", color=color)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(PCPS, [str(n) for n in PCPS])
-    ax.set_xlabel("pcp")
-    ax.set_ylabel("encoder share of TTFT, %")
-    ax.set_title("Vision encoder share of TTFT: replicated (o) and split (x, dashed)\n"
-                 "encoder measured per rank on 1 x H200, language model predicted", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(str(path), draw, fontsize=7)
 
 
 def main():
