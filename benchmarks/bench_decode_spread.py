@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -128,16 +127,10 @@ def profiler_args(trace_dir: str | None) -> dict:
 def summarize_profile(trace_dir: str, top: int = 8) -> dict:
     """Per rank and step: GPU busy and span (``profile_prefill.summarize_trace``) and the host time of
     the custom ops and graph replays by name (their own spans on the host)."""
-    import glob
-    import gzip
-
-    from benchmarks.profile_prefill import summarize_trace
+    from benchmarks.profile_prefill import summarize_trace, traces
 
     out = {}
-    for path in sorted(glob.glob(os.path.join(trace_dir, "*.pt.trace.json*"))):
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            events = json.load(f).get("traceEvents", [])
+    for label, events in traces(trace_dir):
         gpu = summarize_trace(events)
         if not gpu:
             continue
@@ -147,8 +140,6 @@ def summarize_profile(trace_dir: str, top: int = 8) -> dict:
             if e.get("ph") == "X" and e.get("cat") == "cpu_op" and (name.startswith("vllm::")
                                                                    or "CUDAGraph" in name):
                 host[name] = host.get(name, 0.0) + e["dur"] / 1e3 / PROFILE_STEPS
-        rank = re.search(r"rank\d+", os.path.basename(path))
-        label = rank.group(0) if rank else os.path.basename(path).split(".")[0]
         out[label] = {"gpu_busy_ms": gpu["busy_ms"] / PROFILE_STEPS, "gpu_span_ms": gpu["span_ms"] / PROFILE_STEPS,
                       "host_ops_ms": dict(sorted(host.items(), key=lambda kv: -kv[1])[:top])}
     return out

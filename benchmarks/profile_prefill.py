@@ -107,17 +107,19 @@ def critical_path_ms(ranks: list[dict]) -> tuple[float, bool]:
     return max(sum(s) for s in segments), False
 
 
-def summarize_dir(trace_dir: str) -> dict:
-    """{trace file's rank label: summary} for every trace with GPU events in ``trace_dir``."""
-    out = {}
+def traces(trace_dir: str):
+    """(the trace file's rank label, its events) for every torch profiler trace in ``trace_dir``."""
     for path in sorted(glob.glob(os.path.join(trace_dir, "*.pt.trace.json*"))):
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rt") as f:
-            summary = summarize_trace(json.load(f).get("traceEvents", []))
-        if summary:
-            label = re.search(r"rank\d+", os.path.basename(path))
-            out[label.group(0) if label else os.path.basename(path)] = summary
-    return out
+            events = json.load(f).get("traceEvents", [])
+        label = re.search(r"rank\d+", os.path.basename(path))
+        yield (label.group(0) if label else os.path.basename(path)), events
+
+
+def summarize_dir(trace_dir: str) -> dict:
+    """{trace file's rank label: summary} for every trace with GPU events in ``trace_dir``."""
+    return {label: summary for label, events in traces(trace_dir) if (summary := summarize_trace(events))}
 
 
 def child(model: str, config: str, tokens: int, trace_dir: str, path: str, compiled: bool,
