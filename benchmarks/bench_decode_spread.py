@@ -72,7 +72,7 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     # bench_ttft's pcp1 engine, made this config's by engine_args (its pcp size, the shared GPU)
     llm = bench_ttft.engine(model, "pcp1", longest, compiled=True, max_num_batched_tokens=32768,
                             max_num_seqs=max(max(b) for b in sweep.values()),
-                            max_model_len=longest + 2048, **engine_args(config), **profiler_args(trace_dir))
+                            max_model_len=longest + 2048, **engine_args(config), **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
     out: dict = {"config": config}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
@@ -115,13 +115,6 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     if config == "pcp1":
         out["plan_ms"] = plan_host_ms()
     Path(path).write_text(json.dumps(out))
-
-
-def profiler_args(trace_dir: str | None) -> dict:
-    if not trace_dir:
-        return {}
-    return {"profiler_config": dict(profiler="torch", torch_profiler_dir=os.path.abspath(trace_dir),
-                                    torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False)}
 
 
 def summarize_profile(trace_dir: str, top: int = 8) -> dict:

@@ -71,6 +71,15 @@ def engine(model: str, config: str, longest: int, compiled: bool = False, **kw):
     return LLM(**{**args, **CONFIGS[config], **kw})  # kw may replace a default (the shared GPU's memory)
 
 
+def profiler_args(trace_dir: str | None) -> dict:
+    """Engine arguments for vLLM's torch profiler writing each worker's trace into ``trace_dir`` (None:
+    no profiler)."""
+    if not trace_dir:
+        return {}
+    return {"profiler_config": dict(profiler="torch", torch_profiler_dir=os.path.abspath(trace_dir),
+                                    torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False)}
+
+
 def shared_gpu_engine_args(config: str) -> dict:
     """Every rank of ``config`` on GPU 0 (harness/shared_gpu.py), taking turns between collectives
     (``run_child(turns_lock=...)`` names the lock): each rank's kernels run alone, so per-rank kernel
@@ -110,13 +119,14 @@ def checkpoint(out: str, layers: int | None = None) -> str:
 
 
 def run_child(argv: list[str], log_path: str, kkt_configs: str, in_process: bool = False,
-              turns_lock: str | None = None) -> None:
+              turns_lock: str | None = None, env: dict | None = None) -> None:
     """One engine in its own process (clean GPU memory between configs), with the chosen kkt configs;
     a failure is reported and the next config runs. ``in_process``: the engine core in that process;
-    ``turns_lock``: the lock file by which a shared-GPU engine's ranks take turns (``shared_gpu_engine_args``)."""
+    ``turns_lock``: the lock file by which a shared-GPU engine's ranks take turns (``shared_gpu_engine_args``);
+    ``env``: more environment variables."""
     # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc with a function (peak_memory_per_rank)
     env = dict(os.environ, QWEN36_PCP_DETERMINISTIC_GDN=KKT_ENV[kkt_configs],
-               VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env or {}))
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if turns_lock:

@@ -127,9 +127,7 @@ def child(model: str, config: str, tokens: int, trace_dir: str, path: str, compi
     from vllm import SamplingParams
 
     kw = bench_ttft.shared_gpu_engine_args(config) if shared_gpu else {}
-    llm = bench_ttft.engine(model, config, tokens, compiled, **kw, profiler_config=dict(
-        profiler="torch", torch_profiler_dir=os.path.abspath(trace_dir), torch_profiler_with_stack=False,
-        torch_profiler_dump_cuda_time_total=False))
+    llm = bench_ttft.engine(model, config, tokens, compiled, **kw, **bench_ttft.profiler_args(trace_dir))
     sp, p = SamplingParams(max_tokens=1, temperature=0.0), bench_ttft.prompt(tokens)
     llm.generate([p], sp, use_tqdm=False)  # warm-up (JIT, autotune)
     llm.start_profile()
