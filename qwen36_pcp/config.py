@@ -22,6 +22,7 @@ GDN_MODES = ("relay", "state_passing", "island")
 MOE_EXPERTS = ("replicated", "sharded")
 VISION_ENCODER = ("split", "replicated")
 DECODE = ("replicated", "spread")
+MTP_FIRST_PASS = ("whole", "split")
 
 # vLLM's name for a drafter built from the checkpoint's own ``mtp.*`` head, and the draft architectures
 # that Qwen3.5 / Qwen3.6 checkpoints become (``SpeculativeConfig.hf_config_override``)
@@ -50,6 +51,10 @@ class PCPConfig:
     # decode rows: computed by every rank (pcp=1's bits), or each by the one rank that owns the request
     # while it decodes (``decode_owners.py``): a rank's decode step then computes about 1/N of the rows
     decode: str = "replicated"
+    # the MTP drafter's first pass at a split step: every rank over every row (the target's rows all
+    # gathered first), or each rank over its own rows with the step's plan (``draft_first_pass.py``;
+    # see docs/validation.md for what it has been checked on)
+    mtp_first_pass: str = "whole"
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -68,6 +73,9 @@ class PCPConfig:
             )
         if self.decode not in DECODE:
             raise ValueError(f"qwen36_pcp: decode must be one of {DECODE}, got {self.decode!r}")
+        if self.mtp_first_pass not in MTP_FIRST_PASS:
+            raise ValueError(f"qwen36_pcp: mtp_first_pass must be one of {MTP_FIRST_PASS}, "
+                             f"got {self.mtp_first_pass!r}")
         if not isinstance(self.min_split_tokens, int) or self.min_split_tokens < 1:
             raise ValueError(
                 f"qwen36_pcp: min_split_tokens must be an integer >= 1, got {self.min_split_tokens!r}"

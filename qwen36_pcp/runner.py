@@ -33,6 +33,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .config import PCPConfig, pcp_config_of
 from .decode_owners import DecodeOwners
+from .draft_first_pass import split_first_pass
 from .layers.classes import adopt_pcp_attention, pcp_model_build
 from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
@@ -79,6 +80,7 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_config: PCPConfig = pcp_config_of(vllm_config)
         self.pcp_group = get_pcp_group()
         self.pcp_step: PCPStep | None = None
+        self.draft_plan: PCPPlan | None = None  # a split step's plan, for the MTP drafter's first pass
         self.decode_owners = (DecodeOwners(self.pcp_group.world_size)
                               if self.pcp_config.decode == "spread" else None)
 
@@ -164,6 +166,7 @@ class PCPModelRunner(GPUModelRunner):
         return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager or split, **kwargs)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self.draft_plan = None
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
@@ -191,23 +194,39 @@ class PCPModelRunner(GPUModelRunner):
                     intermediate_tensors, local_rows(inputs_embeds, idx, 0, in_place), **model_kwargs)
         finally:
             forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
-        return ctx.gather_output(hidden, all_rows=self._reads_every_row())
+        splits_drafter = self._drafter_splits()
+        self.draft_plan = step.plan if splits_drafter else None
+        return ctx.gather_output(hidden, all_rows=self._reads_every_row(), keep_local=splits_drafter)
+
+    def _drafter_splits(self) -> bool:
+        """Whether the MTP drafter's first pass at a split step runs this rank's rows
+        (``mtp_first_pass="split"``, ``draft_first_pass``): not where vLLM's drafter reshapes its
+        first pass's rows (``needs_extra_input_slots``: parallel drafting), which then runs whole."""
+        drafter = getattr(self, "drafter", None) if self.speculative_config is not None else None
+        return (drafter is not None and self.pcp_config.mtp_first_pass == "split"
+                and not getattr(drafter, "needs_extra_input_slots", True))
 
     def _reads_every_row(self) -> bool:
         """Whether vLLM reads more of this step's hidden states than ``hidden_states[logits_indices]``
         (each request's last row at a split step): prompt logprobs (``_get_prompt_logprobs_dict``) and
-        the MTP drafter (its first pass runs over ``hidden_states[:num_tokens]``, every row, to write
-        its K/V of the whole prompt) read every row; pooling, which would too, is refused at startup."""
-        return bool(self.num_prompt_logprobs) or self.speculative_config is not None
+        an MTP drafter whose first pass runs whole (over ``hidden_states[:num_tokens]``, every row, to
+        write its K/V of the whole prompt) read every row; pooling, which would too, is refused at
+        startup. A split first pass reads the rank's own rows, kept in place by the gather."""
+        whole_drafter = self.speculative_config is not None and not self._drafter_splits()
+        return bool(self.num_prompt_logprobs) or whole_drafter
 
     def propose_draft_token_ids(self, *args, **kwargs):
         """The drafter's tokens, rank 0's on every rank.
 
-        The MTP drafter runs on every rank over the same rows. Every rank feeds its own drafts into
-        its next step (under async scheduling, from the GPU), so they must be the same bits everywhere;
-        as with the sampled rows (``rank0_rows``), nothing proves that every process picks the same
-        kernel configs, so rank 0's drafts are broadcast ([num_reqs, K] token ids, one call)."""
-        drafts = super().propose_draft_token_ids(*args, **kwargs)
+        After a split step the drafter's first pass runs this rank's rows of the step's plan
+        (``split_first_pass``); its other passes run on every rank over the same rows. Every rank feeds
+        its own drafts into its next step (under async scheduling, from the GPU), so they must be the
+        same bits everywhere; as with the sampled rows (``rank0_rows``), nothing proves that every
+        process picks the same kernel configs, so rank 0's drafts are broadcast ([num_reqs, K] token
+        ids, one call)."""
+        plan, self.draft_plan = self.draft_plan, None
+        with split_first_pass(self.drafter if plan is not None else None, plan, self.pcp_group):
+            drafts = super().propose_draft_token_ids(*args, **kwargs)
         if isinstance(drafts, torch.Tensor):
             drafts = self.pcp_group.broadcast(drafts.contiguous(), src=0)
         return drafts

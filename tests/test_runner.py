@@ -140,6 +140,7 @@ def _steps(rank, group):
         runner.pcp_step = None  # what execute_model's finally does
     results["images"] = _image_step(runner, seen, dispatched)
     results["drafts"] = runner.propose_draft_token_ids()
+    results["drafter"] = _drafter_steps(runner, rank)
     return results
 
 
@@ -170,6 +171,84 @@ def _image_step(runner, seen, dispatched):
     return {"hidden": hidden[:n], "expected": _expected(None, pos, embeds)[:n], "seen": seen[-1],
             "split": step.plan.split.tolist(), "t_pad": step.plan.t_pad, "force_eager": dispatched[-1],
             "image_rows": int((embeds[:n, 0] >= 10_000).sum()), "axes_differ": bool((pos[1] != pos[2]).any())}
+
+
+class _Drafter(torch.nn.Module):
+    """The MTP drafter's model stood in for: each row's output is its input hidden state plus the
+    stand-in model of its token id and position (``rank`` added off the primary copies, as ``_model``);
+    each call's rows, context and CUDA-graph mode are noted. Called as vLLM's ``support_torch_compile``
+    calls the MTP model: ``forward`` directly, past any module hook."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank, self.calls = rank, []
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, input_ids=None, positions=None, hidden_states=None, inputs_embeds=None):
+        from vllm.forward_context import get_forward_context
+
+        from qwen36_pcp.layers.context import current_pcp_context
+
+        ctx = current_pcp_context()
+        self.calls.append((input_ids.shape[0], ctx is not None, get_forward_context().cudagraph_runtime_mode))
+        out = hidden_states + _expected(input_ids, positions)
+        noise = torch.full((out.shape[0],), float(self.rank), dtype=out.dtype)
+        if ctx is not None:
+            noise[torch.from_numpy(ctx.plan.primary[self.rank])] = 0.0
+        return out + noise[:, None]
+
+
+def _drafter_steps(runner, rank):
+    """A split MTP step, then vLLM's drafter as ``EagleProposer.propose`` calls it: a first pass over
+    every row of the step (ids shifted by one), then one pass over each request's last row; with
+    ``mtp_first_pass`` "split" and "whole"."""
+    import dataclasses
+
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    num_computed, num_new = [0, 4096], np.array([3000, 4096], dtype=np.int32)
+    ids = torch.from_numpy(np.concatenate([np.arange(n) * 5 + 1 + i for i, n in enumerate(num_new)]))
+    pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
+    last = torch.from_numpy(np.cumsum(num_new) - 1)
+
+    def propose(self, hidden):  # vLLM's first and second passes, in the drafter's forward context
+        with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
+                                                     cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)):
+            first = self.drafter.model(input_ids=ids, positions=pos, hidden_states=hidden, inputs_embeds=None)
+            second = self.drafter.model(input_ids=ids[last], positions=pos[last] + 1,
+                                        hidden_states=first[last], inputs_embeds=None)
+        return first, second
+
+    saved = GPUModelRunner.propose_draft_token_ids
+    GPUModelRunner.propose_draft_token_ids = propose
+    drafter = _Drafter(rank)
+    runner.drafter = SimpleNamespace(model=drafter, needs_extra_input_slots=False)
+    runner.speculative_config, runner.num_prompt_logprobs = SimpleNamespace(method="mtp"), {}
+    runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12),
+                                         num_prompt_tokens=np.array([3000, 12000] + [0] * 12))
+    out = {}
+    try:
+        for mode in ("split", "whole"):
+            runner.pcp_config = dataclasses.replace(runner.pcp_config, mtp_first_pass=mode)
+            runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
+            with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
+                hidden = runner._model_forward(input_ids=ids, positions=pos)
+            plan = runner.pcp_step.plan
+            runner.pcp_step = None
+            first, second = runner.propose_draft_token_ids(hidden)
+            calls = list(runner.drafter.model.calls)
+            runner.drafter.model.calls.clear()
+            out[mode] = {"hidden": hidden, "first": first, "second": second, "calls": calls, "t_pad": plan.t_pad,
+                         "local": plan.local_full_idx[rank][:plan.num_local_tokens].copy(),
+                         "model_back": runner.drafter.model is drafter}
+    finally:
+        GPUModelRunner.propose_draft_token_ids = saved
+    out["target"], out["last"] = _expected(ids, pos), last
+    return out
 
 
 def _graphs(runner, mode, kv_write_split: bool = True) -> None:
@@ -347,3 +426,46 @@ def test_split_and_unsplit_steps_through_the_runner(world_size):
         assert torch.equal(images["hidden"], images["expected"]), rank
         # every rank feeds rank 0's drafts into its next step
         assert torch.equal(results["drafts"], torch.full((3, 2), 100)), rank
+        _check_drafter(results["drafter"], rank)
+
+
+def _check_drafter(d: dict, rank: int) -> None:
+    """The MTP drafter after a split step (``_drafter_steps``)."""
+    from vllm.config import CUDAGraphMode
+
+    target, last = d["target"], d["last"]
+    split, whole = d["split"], d["whole"]
+    # split: the target's output holds the rank's own rows in place and every request's last row;
+    # nothing else is gathered
+    local = torch.from_numpy(split["local"])
+    kept = torch.zeros(target.shape[0], dtype=torch.bool)
+    kept[local], kept[last] = True, True
+    assert torch.equal(split["hidden"][kept], target[kept]), rank
+    assert not split["hidden"][~kept].any()
+    # the first pass ran this rank's rows with the step's context, eagerly; the second every row
+    # without it, in the drafter's own graph mode; the proposer has its model back
+    assert split["calls"] == [(split["t_pad"], True, CUDAGraphMode.NONE), (2, False, CUDAGraphMode.PIECEWISE)]
+    assert split["model_back"] and whole["model_back"]
+    # the rows the drafter samples from: hidden + model of the whole batch, from the primary copies
+    assert torch.equal(split["first"][last], 2 * target[last]), rank
+    others = torch.ones(target.shape[0], dtype=torch.bool)
+    others[last] = False
+    assert not split["first"][others].any()
+    # whole: every target row gathered, the first pass over every row on every rank; the same drafts
+    assert torch.equal(whole["hidden"], target), rank
+    assert whole["calls"] == [(target.shape[0], False, CUDAGraphMode.PIECEWISE), (2, False, CUDAGraphMode.PIECEWISE)]
+    assert torch.equal(whole["first"][last], split["first"][last] + rank)
+    assert torch.equal(whole["second"], split["second"] + rank)
+
+
+def test_a_proposal_that_skips_the_model_raises():
+    """The target's gather kept only a rank's rows: a drafter that proposed without its model's first
+    call being split would have read zeros, so it raises instead."""
+    from qwen36_pcp.draft_first_pass import split_first_pass
+
+    model = object()
+    proposer = SimpleNamespace(model=model)
+    with pytest.raises(RuntimeError, match="could not be split"):
+        with split_first_pass(proposer, plan=object(), group=None):
+            assert proposer.model is not model
+    assert proposer.model is model

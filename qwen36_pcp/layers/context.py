@@ -230,18 +230,23 @@ class PCPContext:
         self._log("recv", like, src)
         return self.group.recv(like.shape, like.dtype, src)
 
-    def gather_output(self, hidden: torch.Tensor, all_rows: bool) -> torch.Tensor:
+    def gather_output(self, hidden: torch.Tensor, all_rows: bool, keep_local: bool = False) -> torch.Tensor:
         """The step's hidden states in the runner's row order: ``num_tokens_padded`` rows, padding zero.
 
         vLLM reads only the row of each request's last new token (it samples from it) unless a request
         wants prompt logprobs, which read every row: ``all_rows=False`` gathers ``num_reqs`` rows per
         rank instead of ``t_pad`` and leaves the other rows zero; the rows vLLM reads are the same bits.
+        ``keep_local``: this rank's own rows stay at their places too (no communication): a split MTP
+        first pass reads them (``draft_first_pass``).
         """
         out = hidden.new_zeros(self.num_tokens_padded, *hidden.shape[1:])
         if all_rows:
             gathered = self.all_gather(hidden)
             out[: self.plan.num_tokens] = gathered.index_select(0, self.t.gathered_of_full)
             return out
+        if keep_local:
+            n = self.t.num_local_tokens
+            out.index_copy_(0, self.t.local_idx[:n], hidden[:n])
         rows = self.sample_rows
         picked = self.all_gather(hidden.index_select(0, rows.send))
         out.index_copy_(0, rows.full, picked.index_select(0, rows.pick))
