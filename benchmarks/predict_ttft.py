@@ -435,33 +435,6 @@ def breakdown(model: StepModel, tokens: int = 131072) -> None:
         print(f"{name:>20} " + " ".join(f"{s[k] * 1e3:>10.1f}" for k in kinds))
 
 
-def mtp_drafter(model: StepModel, lengths=(32768, 131072), pcps=(2, 4, 8)) -> dict:
-    """Predicted: what MTP adds to a split step of a fresh prompt, per rank. The drafter (one attention
-    layer and one MoE layer, priced as 1/10 of the attention kinds and 1/40 of the others at pcp=1)
-    runs every row of the step on every rank, and the step's output gather brings every row instead of
-    one per request. {(pcp, tokens): seconds of the step without MTP, the drafter, the extra gather,
-    and MTP's share of the step with it}."""
-    out = {}
-    for n in pcps:
-        cfg = CONFIGS[f"pcp{n}"]
-        for q in lengths:
-            step = model.step(cfg, q, 0)["total"]
-            drafter = (model.kind_s("attention", q) / ATTN_LAYERS + model.kind_s("moe", q) / MOE_LAYERS
-                       + (model.kind_s("gemm", q) + model.kind_s("other", q)) / LAYERS)
-            gather = (n - 1) * split_plan(q, 0, n).t_pad * HIDDEN * BF16 / NVLINK_BYTES_PER_S
-            out[(n, q)] = {"step_s": step, "drafter_s": drafter, "gather_s": gather,
-                           "share": (drafter + gather) / (step + drafter + gather)}
-    return out
-
-
-def print_mtp_drafter(model: StepModel) -> None:
-    print("\nMTP drafter unsplit at a split step (predicted, per rank): step without MTP / drafter / every-row "
-          "gather (ms), MTP's share")
-    for (n, q), r in mtp_drafter(model).items():
-        print(f"  pcp={n} {q // 1024:>4}k: {r['step_s'] * 1e3:8.1f} / {r['drafter_s'] * 1e3:7.1f} / "
-              f"{r['gather_s'] * 1e3:5.2f}  {r['share']:.1%}")
-
-
 def plot(model: StepModel, path: str) -> None:
     lengths = [2 ** k for k in range(13, 21)]
 
@@ -504,7 +477,6 @@ def main():
     breakdown(model)
     short_prompts(model)
     multi_node(model)
-    print_mtp_drafter(model)
     plot(model, str(out / "predict_ttft.png"))
     print(f"\nmax validation error: {worst:.1%}")
 

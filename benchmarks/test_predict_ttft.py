@@ -84,15 +84,3 @@ def test_host_time_split_keeps_pcp1_and_the_front_end_is_a_per_request_term():
     rows = {c: {name: b for name, _, b, _ in model.collectives(c, 131072)} for c in (pcp2, every)}
     assert rows[every]["final hidden-row all-gather"] == 65536 * 2048 * 2
     assert rows[pcp2]["final sampled-row all_gather"] == 2048 * 2
-
-
-def test_the_unsplit_mtp_drafter_weighs_more_as_n_and_the_prompt_grow():
-    """The drafter runs every row on every rank while the split target's work per rank falls with N,
-    and its attention grows with the prompt's square."""
-    from benchmarks.predict_ttft import StepModel, mtp_drafter
-
-    shares = {k: r["share"] for k, r in mtp_drafter(StepModel()).items()}
-    for q in (32768, 131072):
-        assert 0 < shares[(2, q)] < shares[(4, q)] < shares[(8, q)] < 1
-    for n in (2, 4, 8):
-        assert shares[(n, 32768)] < shares[(n, 131072)]
