@@ -40,6 +40,8 @@ class FirstPassSplit:
         self.called = False
 
     def __getattr__(self, name):
+        if name == "model":  # not set yet (a copy being built): no attribute, not a recursion
+            raise AttributeError(name)
         return getattr(self.model, name)
 
     def __call__(self, *args, **kwargs):
@@ -47,7 +49,9 @@ class FirstPassSplit:
         if args:
             raise RuntimeError("qwen36_pcp: the MTP drafter's model was called with positional arguments; "
                                "its first pass can only be split when called with vLLM's keywords")
-        rows = next(kwargs[name] for name in ("input_ids", "inputs_embeds") if kwargs.get(name) is not None)
+        rows = next((kwargs[name] for name in ("input_ids", "inputs_embeds") if kwargs.get(name) is not None), None)
+        if rows is None:
+            raise RuntimeError("qwen36_pcp: the MTP drafter's first pass got neither input_ids nor inputs_embeds")
         ctx = PCPContext(self.plan, self.group, rows.device, num_tokens_padded=rows.shape[0])
         for name, dim in ROW_INPUTS:
             if kwargs.get(name) is not None:

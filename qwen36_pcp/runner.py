@@ -99,6 +99,7 @@ class PCPModelRunner(GPUModelRunner):
     # ------------------------------------------------------------------------- the step
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self.draft_plan = None  # set again by a split step whose drafter splits (_model_forward)
         plan, graph = self._plan(num_scheduled_tokens)
         self.pcp_step = PCPStep(plan, logits_indices, graph)
         return logits_indices, spec_decode_metadata
@@ -166,7 +167,6 @@ class PCPModelRunner(GPUModelRunner):
         return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager or split, **kwargs)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
-        self.draft_plan = None
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
@@ -194,11 +194,11 @@ class PCPModelRunner(GPUModelRunner):
                     intermediate_tensors, local_rows(inputs_embeds, idx, 0, in_place), **model_kwargs)
         finally:
             forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
-        splits_drafter = self._drafter_splits()
-        self.draft_plan = step.plan if splits_drafter else None
-        return ctx.gather_output(hidden, all_rows=self._reads_every_row(), keep_local=splits_drafter)
+        split_drafter = self._split_drafter_enabled()
+        self.draft_plan = step.plan if split_drafter else None
+        return ctx.gather_output(hidden, all_rows=self._reads_every_row(), keep_local=split_drafter)
 
-    def _drafter_splits(self) -> bool:
+    def _split_drafter_enabled(self) -> bool:
         """Whether the MTP drafter's first pass at a split step runs this rank's rows
         (``mtp_first_pass="split"``, ``draft_first_pass``): not where vLLM's drafter reshapes its
         first pass's rows (``needs_extra_input_slots``: parallel drafting), which then runs whole."""
@@ -212,7 +212,7 @@ class PCPModelRunner(GPUModelRunner):
         an MTP drafter whose first pass runs whole (over ``hidden_states[:num_tokens]``, every row, to
         write its K/V of the whole prompt) read every row; pooling, which would too, is refused at
         startup. A split first pass reads the rank's own rows, kept in place by the gather."""
-        whole_drafter = self.speculative_config is not None and not self._drafter_splits()
+        whole_drafter = self.speculative_config is not None and not self._split_drafter_enabled()
         return bool(self.num_prompt_logprobs) or whole_drafter
 
     def propose_draft_token_ids(self, *args, **kwargs):

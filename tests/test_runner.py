@@ -192,8 +192,9 @@ class _Drafter(torch.nn.Module):
         from qwen36_pcp.layers.context import current_pcp_context
 
         ctx = current_pcp_context()
-        self.calls.append((input_ids.shape[0], ctx is not None, get_forward_context().cudagraph_runtime_mode))
-        out = hidden_states + _expected(input_ids, positions)
+        rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        self.calls.append((rows, ctx is not None, get_forward_context().cudagraph_runtime_mode))
+        out = hidden_states + _expected(input_ids, positions, inputs_embeds)
         noise = torch.full((out.shape[0],), float(self.rank), dtype=out.dtype)
         if ctx is not None:
             noise[torch.from_numpy(ctx.plan.primary[self.rank])] = 0.0
@@ -201,9 +202,11 @@ class _Drafter(torch.nn.Module):
 
 
 def _drafter_steps(runner, rank):
-    """A split MTP step, then vLLM's drafter as ``EagleProposer.propose`` calls it: a first pass over
-    every row of the step (ids shifted by one), then one pass over each request's last row; with
-    ``mtp_first_pass`` "split" and "whole"."""
+    """A split MTP step, then vLLM's drafter as ``EagleProposer.propose`` calls its model: a first pass
+    over every row of the step, then one pass over each request's last row; with ``mtp_first_pass``
+    "split" and "whole", and split with embeddings and [3, T] M-RoPE positions (a vision-language
+    drafter's inputs). Then a split step whose drafter does not run, and an unsplit step after it:
+    its first pass runs whole."""
     import dataclasses
 
     from vllm.config import CUDAGraphMode
@@ -214,13 +217,15 @@ def _drafter_steps(runner, rank):
     ids = torch.from_numpy(np.concatenate([np.arange(n) * 5 + 1 + i for i, n in enumerate(num_new)]))
     pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
     last = torch.from_numpy(np.cumsum(num_new) - 1)
+    embeds = ids.double()[:, None].expand(-1, HIDDEN).contiguous()
+    mrope = torch.stack([pos, pos % 7, pos % 11])
 
-    def propose(self, hidden):  # vLLM's first and second passes, in the drafter's forward context
+    def propose(self, hidden, inputs, ends):  # vLLM's two passes, in the drafter's forward context
         with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
                                                      cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)):
-            first = self.drafter.model(input_ids=ids, positions=pos, hidden_states=hidden, inputs_embeds=None)
-            second = self.drafter.model(input_ids=ids[last], positions=pos[last] + 1,
-                                        hidden_states=first[last], inputs_embeds=None)
+            first = self.drafter.model(hidden_states=hidden, **inputs)
+            second = self.drafter.model(hidden_states=first[ends], **{  # each request's last row
+                k: None if v is None else v[..., ends] if k == "positions" else v[ends] for k, v in inputs.items()})
         return first, second
 
     saved = GPUModelRunner.propose_draft_token_ids
@@ -230,24 +235,37 @@ def _drafter_steps(runner, rank):
     runner.speculative_config, runner.num_prompt_logprobs = SimpleNamespace(method="mtp"), {}
     runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12),
                                          num_prompt_tokens=np.array([3000, 12000] + [0] * 12))
+    text = {"input_ids": ids, "positions": pos, "inputs_embeds": None}
+    vision = {"input_ids": None, "positions": mrope, "inputs_embeds": embeds}
+
+    def step(new, inputs, ends=last, propose: bool = True):
+        runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), new)
+        with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
+            hidden = runner._model_forward(**inputs)
+        plan = runner.pcp_step.plan
+        runner.pcp_step = None
+        if not propose:
+            return None
+        first, second = runner.propose_draft_token_ids(hidden, inputs, ends)
+        calls = list(drafter.calls)
+        drafter.calls.clear()
+        return {"hidden": hidden, "first": first, "second": second, "calls": calls,
+                "t_pad": plan.t_pad if plan else None, "model_back": runner.drafter.model is drafter,
+                "local": plan.local_full_idx[rank][:plan.num_local_tokens].copy() if plan else None}
+
     out = {}
     try:
-        for mode in ("split", "whole"):
+        for name, mode, inputs in (("split", "split", text), ("whole", "whole", text),
+                                   ("split_vision", "split", vision)):
             runner.pcp_config = dataclasses.replace(runner.pcp_config, mtp_first_pass=mode)
-            runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
-            with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
-                hidden = runner._model_forward(input_ids=ids, positions=pos)
-            plan = runner.pcp_step.plan
-            runner.pcp_step = None
-            first, second = runner.propose_draft_token_ids(hidden)
-            calls = list(runner.drafter.model.calls)
-            runner.drafter.model.calls.clear()
-            out[mode] = {"hidden": hidden, "first": first, "second": second, "calls": calls, "t_pad": plan.t_pad,
-                         "local": plan.local_full_idx[rank][:plan.num_local_tokens].copy(),
-                         "model_back": runner.drafter.model is drafter}
+            out[name] = step(num_new, inputs)
+        step(num_new, text, propose=False)  # its drafter does not run (the input did not fit it)
+        runner.input_batch.num_computed_tokens_cpu[:2] = [3000, 8192]
+        out["after"] = step(np.array([1, 1], dtype=np.int32), {"input_ids": ids[last], "positions": pos[last] + 1,
+                                                                 "inputs_embeds": None}, torch.arange(2))
     finally:
         GPUModelRunner.propose_draft_token_ids = saved
-    out["target"], out["last"] = _expected(ids, pos), last
+    out["target"], out["target_vision"], out["last"] = _expected(ids, pos), _expected(None, mrope, embeds), last
     return out
 
 
@@ -456,6 +474,12 @@ def _check_drafter(d: dict, rank: int) -> None:
     assert whole["calls"] == [(target.shape[0], False, CUDAGraphMode.PIECEWISE), (2, False, CUDAGraphMode.PIECEWISE)]
     assert torch.equal(whole["first"][last], split["first"][last] + rank)
     assert torch.equal(whole["second"], split["second"] + rank)
+    # embeddings and M-RoPE positions: the rank's rows along the positions' last axis
+    vision, target = d["split_vision"], d["target_vision"]
+    assert vision["calls"][0] == (vision["t_pad"], True, CUDAGraphMode.NONE)
+    assert torch.equal(vision["first"][last], 2 * target[last]), rank
+    # a split step whose drafter did not run leaves nothing behind: the next step's first pass is whole
+    assert d["after"]["calls"][0] == (2, False, CUDAGraphMode.PIECEWISE)
 
 
 def test_a_proposal_that_skips_the_model_raises():

@@ -167,10 +167,10 @@ def test_mtp_at_pcp_matches_pcp1(engine_pool):
         if not (logged["drafts_ranks_agree"] and logged["drafts_ranks"] == ENGINES[name][2] * ENGINES[name][3]):
             failed.append(f"{name}: the ranks fed different drafts ({logged['drafts_ranks']} ranks logged)")
         accepted = "vllm:spec_decode_num_accepted_tokens"
-        if r["spec_decode"].get(accepted) != r["spec_decode_ref"].get(accepted):
+        if name not in ANSWERS_BIT_FOR_BIT and r["spec_decode"].get(accepted) != r["spec_decode_ref"].get(accepted):
             failed.append(f"{name}: accepted tokens {r['spec_decode'].get(accepted)} vs "
                           f"{r['spec_decode_ref'].get(accepted)}")
-        if name.startswith("draftable") and not r["spec_decode"].get(accepted):
+        if ENGINES[name][0] == "draftable" and not r["spec_decode"].get(accepted):
             failed.append(f"{name}: the draftable head's drafts were never accepted")
         if not r["seeded_identical"] and name in BIT_FOR_BIT:
             failed.append(f"{name}: seeded sampling")
