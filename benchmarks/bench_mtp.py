@@ -103,15 +103,19 @@ def profile_segments(events: list[dict], labels: list[str]) -> dict:
     collectives) left out of both."""
     from benchmarks.profile_prefill import kind_of, summarize_trace
 
-    marks = sorted(e["ts"] for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(MARK))
-    drafts = [(e["ts"], e["ts"] + e["dur"]) for e in events
-              if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == DRAFT_SCOPE]
+    annotations = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    marks = sorted(e["ts"] for e in annotations if str(e.get("name", "")).startswith(MARK))
+    if len(marks) != len(labels):
+        raise ValueError(f"{len(marks)} marks in the trace for {len(labels)} runs")
+    # the draft scope's host thread: launches from vLLM's other threads meanwhile are not the drafter's
+    drafts = [(e.get("tid"), e["ts"], e["ts"] + e["dur"]) for e in annotations if e.get("name") == DRAFT_SCOPE]
     launched_in_draft = {e["args"]["correlation"] for e in events
                          if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
-                         and "correlation" in e.get("args", {}) and any(a <= e["ts"] <= b for a, b in drafts)}
+                         and "correlation" in e.get("args", {})
+                         and any(t == e.get("tid") and a <= e["ts"] <= b for t, a, b in drafts)}
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     out = {}
-    for i, label in enumerate(labels[: len(marks)]):
+    for i, label in enumerate(labels):
         lo, hi = marks[i], marks[i + 1] if i + 1 < len(marks) else float("inf")
         run = [e for e in gpu if lo <= e["ts"] < hi]
         summary = summarize_trace(run)
@@ -183,19 +187,19 @@ def report(out: str) -> dict:
              f"{'layout':>7} {'tokens':>7} {'no MTP':>9} {'MTP':>9} {'drafter':>8} "
              f"{'share (8 layers)':>17} {'share (40, predicted)':>22}"]
     rows = []
-    for ranks in (1,):  # pcp > 1: the profile (a turn there holds the shared GPU's host copies)
-        plain, mtp = data.get(f"pcp{ranks}", {}), data.get(f"pcp{ranks}_mtp", {})
-        for n in TOKENS:
-            key = f"prefill/{n}"
-            if key not in plain or key not in mtp:
-                continue
-            t, m = max(plain[key]["turn_ms"]), max(mtp[key]["turn_ms"])
-            d = m - t
-            row = {"ranks": ranks, "tokens": n, "plain_ms": t, "mtp_ms": m, "drafter_ms": d,
-                   "share": d / m, "share_full": d / (d + t * FULL_LAYERS / LAYERS)}
-            rows.append(row)
-            lines.append(f"{'pcp=' + str(ranks):>7} {n:>7} {t:9.1f} {m:9.1f} {d:8.1f} {100 * row['share']:16.1f}% "
-                         f"{100 * row['share_full']:21.1f}%")
+    # pcp=1 only: at pcp > 1 a turn holds the shared GPU's host copies (the profile measures instead)
+    plain, mtp = data.get("pcp1", {}), data.get("pcp1_mtp", {})
+    for n in TOKENS:
+        key = f"prefill/{n}"
+        if key not in plain or key not in mtp:
+            continue
+        t, m = plain[key]["turn_ms"][0], mtp[key]["turn_ms"][0]
+        d = m - t
+        row = {"ranks": 1, "tokens": n, "plain_ms": t, "mtp_ms": m, "drafter_ms": d,
+               "share": d / m, "share_full": d / (d + t * FULL_LAYERS / LAYERS)}
+        rows.append(row)
+        lines.append(f"{'pcp=1':>7} {n:>7} {t:9.1f} {m:9.1f} {d:8.1f} {100 * row['share']:16.1f}% "
+                     f"{100 * row['share_full']:21.1f}%")
     lines += ["", f"decode, one request after {DECODE_PROMPT} tokens: step per rank (ms, measured; slowest rank), "
               "tokens per step (random drafts: none accepted), and the accepted drafts per step at which MTP's "
               "step gives a lower inter-token latency (break-even = step(MTP) / step(no MTP) - 1)",
@@ -250,9 +254,10 @@ def profile_child(model: str, config: str, tokens: tuple[int, ...], compiled: bo
     (Path(out) / f"{config}_profile.json").write_text(json.dumps(data))
 
 
-def profile_report(out: str) -> list[str]:
-    """The profiled configs' table: per run, the step's GPU compute on N GPUs (the ranks' critical
-    path) and the drafter's kernels on its slowest rank, first pass whole and split."""
+def profile_report(out: str) -> tuple[list[str], list[dict]]:
+    """The profiled configs' table and rows: per run, the step's GPU compute on N GPUs (the ranks'
+    critical path) and the drafter's kernel time on the rank where it is longest, first pass whole
+    and split."""
     from benchmarks.profile_prefill import critical_path_ms
 
     lines, rows = [], []
@@ -261,7 +266,7 @@ def profile_report(out: str) -> list[str]:
         ranks = list(data["ranks"].values())
         if not lines:
             lines += ["", f"profiled (GPU kernels per rank, host copies left out; {data['mode']}): step = the "
-                      "ranks' critical path, drafter = its kernels on the slowest rank; share at "
+                      "ranks' critical path, drafter = its kernel time on the rank where it is longest; share at "
                       f"{FULL_LAYERS} layers predicted: drafter / (drafter + (step - drafter) x {FULL_LAYERS // LAYERS})",
                       f"{'config':>9} {'tokens':>7} {'first pass':>10} {'step':>8} {'drafter':>8} "
                       f"{'share':>6} {'share (40, predicted)':>22}"]

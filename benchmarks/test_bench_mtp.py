@@ -17,10 +17,11 @@ def _trace() -> list[dict]:
 
     def kernel(ts, dur, name, corr, in_draft):
         events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts - 5, "dur": 1,
-                       "args": {"correlation": corr}})
+                       "tid": 1, "args": {"correlation": corr}})
         events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}})
         if in_draft:
-            events.append({"ph": "X", "cat": "user_annotation", "name": bench.DRAFT_SCOPE, "ts": ts - 6, "dur": 3})
+            events.append({"ph": "X", "cat": "user_annotation", "name": bench.DRAFT_SCOPE, "ts": ts - 6, "dur": 3,
+                           "tid": 1})
 
     for i, (mode, base) in enumerate((("whole", 0), ("split", 10_000))):
         events.append({"ph": "X", "cat": "user_annotation", "name": f"{bench.MARK}{mode}", "ts": base, "dur": 0})
@@ -39,6 +40,11 @@ def test_profile_segments_split_runs_and_find_the_drafter():
     assert runs["whole/32768"]["compute_ms"] == pytest.approx(7.2)  # the host copy left out
     assert runs["split/32768"]["compute_ms"] == pytest.approx(5.2)
     assert runs["whole/32768"]["segments_ms"] == pytest.approx([4.0, 3.2])  # cut at the copy to the host
+    # a launch from another host thread inside the draft scope is not the drafter's
+    other = [dict(e, tid=2) if e.get("cat") == "cuda_runtime" else e for e in _trace()]
+    assert bench.profile_segments(other, ["whole/32768", "split/32768"])["whole/32768"]["drafter_ms"] == 0
+    with pytest.raises(ValueError, match="2 marks"):
+        bench.profile_segments(_trace(), ["whole/32768"])
 
 
 def test_report_reads_turn_times_and_profiles(tmp_path):
