@@ -24,19 +24,19 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
 
 from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
-from .plan import PCPPlan
 
 # the first pass's row-aligned inputs (``build_model_inputs_first_pass``) and the axis of their rows
 ROW_INPUTS = (("input_ids", 0), ("inputs_embeds", 0), ("hidden_states", 0), ("positions", -1))
 
 
 class FirstPassSplit:
-    """The proposer's ``model`` until its first call: that call runs this rank's rows of ``plan`` and
-    returns every request's last row in the full batch's order (other rows zero). Any other attribute
-    is the model's (the proposer embeds the first pass's inputs through it before the call)."""
+    """The proposer's ``model`` until its first call: that call runs this rank's rows of the target
+    step's context ``ctx`` and returns every request's last row in the full batch's order (other rows
+    zero). Any other attribute is the model's (the proposer embeds the first pass's inputs through it
+    before the call)."""
 
-    def __init__(self, proposer, plan: PCPPlan, group):
-        self.proposer, self.model, self.plan, self.group = proposer, proposer.model, plan, group
+    def __init__(self, proposer, ctx: PCPContext):
+        self.proposer, self.model, self.step_ctx = proposer, proposer.model, ctx
         self.called = False
 
     def __getattr__(self, name):
@@ -52,7 +52,7 @@ class FirstPassSplit:
         rows = next((kwargs[name] for name in ("input_ids", "inputs_embeds") if kwargs.get(name) is not None), None)
         if rows is None:
             raise RuntimeError("qwen36_pcp: the MTP drafter's first pass got neither input_ids nor inputs_embeds")
-        ctx = PCPContext(self.plan, self.group, rows.device, num_tokens_padded=rows.shape[0])
+        ctx = self.step_ctx.for_rows(rows.shape[0])
         for name, dim in ROW_INPUTS:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name].index_select(dim, ctx.t.local_idx)
@@ -73,15 +73,15 @@ class FirstPassSplit:
 
 
 @contextlib.contextmanager
-def split_first_pass(proposer, plan: PCPPlan | None, group):
-    """While this runs, the proposer's next model call (its first pass) is split with ``plan``
-    (``FirstPassSplit``); None: nothing changes. The target's gather kept only this rank's rows and
+def split_first_pass(proposer, ctx: PCPContext | None):
+    """While this runs, the proposer's next model call (its first pass) is split with the target step's
+    context ``ctx`` (``FirstPassSplit``); None: nothing changes. The target's gather kept only this rank's rows and
     each request's last one, so a proposal that never called its model through ``proposer.model``
     would have read zeros: that raises."""
-    if plan is None:
+    if ctx is None:
         yield
         return
-    stand_in = FirstPassSplit(proposer, plan, group)
+    stand_in = FirstPassSplit(proposer, ctx)
     proposer.model = stand_in
     try:
         yield

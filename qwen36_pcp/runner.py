@@ -80,7 +80,7 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_config: PCPConfig = pcp_config_of(vllm_config)
         self.pcp_group = get_pcp_group()
         self.pcp_step: PCPStep | None = None
-        self.draft_plan: PCPPlan | None = None  # a split step's plan, for the MTP drafter's first pass
+        self.draft_ctx: PCPContext | None = None  # a split step's context, for the MTP drafter's first pass
         self.decode_owners = (DecodeOwners(self.pcp_group.world_size)
                               if self.pcp_config.decode == "spread" else None)
 
@@ -99,7 +99,7 @@ class PCPModelRunner(GPUModelRunner):
     # ------------------------------------------------------------------------- the step
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self.draft_plan = None  # set again by a split step whose drafter splits (_model_forward)
+        self.draft_ctx = None  # set again by a split step whose drafter splits (_model_forward)
         plan, graph = self._plan(num_scheduled_tokens)
         self.pcp_step = PCPStep(plan, logits_indices, graph)
         return logits_indices, spec_decode_metadata
@@ -195,8 +195,8 @@ class PCPModelRunner(GPUModelRunner):
         finally:
             forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
         split_drafter = self._split_drafter_enabled()
-        self.draft_plan = step.plan if split_drafter else None
-        return ctx.gather_output(hidden, all_rows=self._reads_every_row(), keep_local=split_drafter)
+        self.draft_ctx = ctx if split_drafter else None
+        return ctx.gather_output(hidden, all_rows=self._reads_every_row(split_drafter), keep_local=split_drafter)
 
     def _split_drafter_enabled(self) -> bool:
         """Whether the MTP drafter's first pass at a split step runs this rank's rows
@@ -206,13 +206,13 @@ class PCPModelRunner(GPUModelRunner):
         return (drafter is not None and self.pcp_config.mtp_first_pass == "split"
                 and not getattr(drafter, "needs_extra_input_slots", True))
 
-    def _reads_every_row(self) -> bool:
+    def _reads_every_row(self, split_drafter: bool) -> bool:
         """Whether vLLM reads more of this step's hidden states than ``hidden_states[logits_indices]``
         (each request's last row at a split step): prompt logprobs (``_get_prompt_logprobs_dict``) and
         an MTP drafter whose first pass runs whole (over ``hidden_states[:num_tokens]``, every row, to
         write its K/V of the whole prompt) read every row; pooling, which would too, is refused at
         startup. A split first pass reads the rank's own rows, kept in place by the gather."""
-        whole_drafter = self.speculative_config is not None and not self._split_drafter_enabled()
+        whole_drafter = self.speculative_config is not None and not split_drafter
         return bool(self.num_prompt_logprobs) or whole_drafter
 
     def propose_draft_token_ids(self, *args, **kwargs):
@@ -224,8 +224,8 @@ class PCPModelRunner(GPUModelRunner):
         same bits everywhere; as with the sampled rows (``rank0_rows``), nothing proves that every
         process picks the same kernel configs, so rank 0's drafts are broadcast ([num_reqs, K] token
         ids, one call)."""
-        plan, self.draft_plan = self.draft_plan, None
-        with split_first_pass(self.drafter if plan is not None else None, plan, self.pcp_group):
+        ctx, self.draft_ctx = self.draft_ctx, None
+        with split_first_pass(self.drafter if ctx is not None else None, ctx):
             drafts = super().propose_draft_token_ids(*args, **kwargs)
         if isinstance(drafts, torch.Tensor):
             drafts = self.pcp_group.broadcast(drafts.contiguous(), src=0)

@@ -490,6 +490,22 @@ def test_a_proposal_that_skips_the_model_raises():
     model = object()
     proposer = SimpleNamespace(model=model)
     with pytest.raises(RuntimeError, match="could not be split"):
-        with split_first_pass(proposer, plan=object(), group=None):
+        with split_first_pass(proposer, ctx=object()):
             assert proposer.model is not model
     assert proposer.model is model
+
+
+def test_a_context_for_another_row_count_shares_the_steps_tensors():
+    """The drafter's first pass may run at another padded row count than the target: the same plan
+    and device tensors, a padded count of its own, never fewer rows than the step's tokens."""
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.layers.context import PCPContext
+    from qwen36_pcp.plan import PCPPlan
+
+    plan = PCPPlan([0], [3000], 2, 1, PCPConfig(min_split_tokens=512))
+    ctx = PCPContext(plan, SimpleNamespace(world_size=2, rank_in_group=1), "cpu", num_tokens_padded=3004)
+    assert ctx.for_rows(3004) is ctx
+    other = ctx.for_rows(3008)
+    assert other.num_tokens_padded == 3008 and other.t is ctx.t and other.plan is plan and ctx.num_tokens_padded == 3004
+    with pytest.raises(ValueError, match="smaller"):
+        ctx.for_rows(2999)

@@ -10,6 +10,7 @@ rank sent.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -176,6 +177,17 @@ class PCPContext:
         self._conv: dict[int, ConvIndex] = {}
         self._owned_gdn: dict[int, tuple] = {}  # id of vLLM's metadata -> (it, its owned rows' cut)
         self.collectives: list[Collective] = []
+
+    def for_rows(self, num_tokens_padded: int) -> PCPContext:
+        """This step's context for a call over ``num_tokens_padded`` rows (another model over the same
+        step: the MTP drafter's first pass): the same plan and device tensors, built once per step."""
+        if num_tokens_padded == self.num_tokens_padded:
+            return self
+        if num_tokens_padded < self.plan.num_tokens:
+            raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
+        other = copy.copy(self)
+        other.num_tokens_padded, other.collectives = int(num_tokens_padded), []
+        return other
 
     @property
     def config(self) -> PCPConfig:
