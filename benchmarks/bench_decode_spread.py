@@ -172,7 +172,7 @@ def plan_host_ms() -> dict:
 
 def graph_rows(rows: int) -> int:
     """The size of the PIECEWISE graph a local batch of ``rows`` replays under vLLM's default capture
-    sizes (1, 2, 4, then multiples of 8 up to 256, of 16 beyond): its K/V gathers move that many."""
+    sizes (1, 2, 4, then multiples of 8 up to 256, of 16 beyond): its K/V gather moves that many."""
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM 0.20.2's config/vllm.py
     return next((s for s in sizes if s >= rows), rows)
 
@@ -189,7 +189,8 @@ def collectives_ms(n: int, batch: int, attention_layers: int = ATTENTION_LAYERS)
     plan = PCPPlan(np.full(batch, 4096), np.ones(batch), n, 0, PCPConfig(decode="spread"), owner,
                    min_rows=graph_rows(math.ceil(batch / n)))
     shape = predict_ttft.layer_shape(1)
-    calls = step_traffic.attention(plan, shape) * attention_layers + step_traffic.output(plan, shape, False)
+    calls = step_traffic.attention(plan, shape) * attention_layers + step_traffic.output(plan, shape, False,
+                                                                                        attention_layers)
     return 1e3 * sum(predict_ttft.collective_latency_s(n) + nbytes * (n - 1) / predict_ttft.NVLINK_BYTES_PER_S
                      for _, nbytes, _ in calls)
 

@@ -6,7 +6,8 @@ broadcast, send or recv). ``benchmarks/test_step_traffic.py`` runs the layers on
 checks that these lists are what ``PCPContext.collectives`` recorded, call for call, so the step-time
 model (``predict_ttft.py``), which prices these lists, counts what the code sends.
 
-Layer kinds: ``attention`` (the step's new K/V, gathered for the replicated cache), ``gdn`` in each
+Layer kinds: ``attention`` (the step's new K/V, gathered for the replicated cache; at a spread decode
+step it rides in the output gather), ``gdn`` in each
 mode (conv halo; relay: the replicated requests' states from rank 0, each run's end state to the next
 run's owner, the final states from the last owner; state passing: the replicated states and one
 gather of the block summaries; island: the whole batch's inputs), and ``output`` (the rows vLLM
@@ -51,9 +52,15 @@ class LayerShape:
 Call = tuple[str, int, int]  # (kind, bytes, peer)
 
 
+def _new_kv_bytes(plan: PCPPlan, s: LayerShape) -> int:
+    """One attention layer's new K/V of a rank: [t_pad, kv_heads, 2 x head_dim]."""
+    return plan.t_pad * s.kv_heads * 2 * s.head_dim * s.act_bytes
+
+
 def attention(plan: PCPPlan, s: LayerShape) -> list[Call]:
-    """``split_attention.gather_kv_for_cache``: [t_pad, kv_heads, 2 x head_dim]."""
-    return [("all_gather", plan.t_pad * s.kv_heads * 2 * s.head_dim * s.act_bytes, -1)]
+    """``split_attention.write_new_kv``: the new K/V gathered, except at a spread decode step, whose
+    K/V travels with the output gather (``output``)."""
+    return [] if plan.decode_spread_only else [("all_gather", _new_kv_bytes(plan, s), -1)]
 
 
 def _conv_halo(plan: PCPPlan, s: LayerShape) -> Call:
@@ -96,7 +103,9 @@ def gdn(plan: PCPPlan, s: LayerShape, mode: str, rank: int) -> list[Call]:
     return [_conv_halo(plan, s), ("all_gather", max(sizes), -1), *replicated]
 
 
-def output(plan: PCPPlan, s: LayerShape, all_rows: bool) -> list[Call]:
-    """``PCPContext.gather_output``: every row when a request wants prompt logprobs, else one per request."""
+def output(plan: PCPPlan, s: LayerShape, all_rows: bool, attention_layers: int = 0) -> list[Call]:
+    """``PCPContext.gather_output``: every row when a request wants prompt logprobs, else one per
+    request; at a spread decode step with the new K/V of the step's ``attention_layers`` too."""
     rows = plan.t_pad if all_rows else plan.num_reqs
-    return [("all_gather", rows * s.hidden * s.act_bytes, -1)]
+    kv = attention_layers * _new_kv_bytes(plan, s) if plan.decode_spread_only else 0
+    return [("all_gather", rows * s.hidden * s.act_bytes + kv, -1)]

@@ -4,6 +4,7 @@ output gather): call for call, bytes and peers, so the model cannot drift from t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,33 @@ def _issued(rank, group, mode, layout, owner=None):
     modelled = {"attention": step_traffic.attention(plan, s), "gdn": step_traffic.gdn(plan, s, mode, rank),
                 **{f"output all_rows={a}": step_traffic.output(plan, s, a) for a in (False, True)}}
     return issued, modelled
+
+
+def _spread_decode_step(rank, group, layers=3):
+    """A spread decode step's calls (``layers`` attention layers, then the output gather) as this rank's
+    context recorded them, with the model's."""
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.layers.context import PCPContext
+    from qwen36_pcp.layers.split_attention import write_new_kv
+    from qwen36_pcp.plan import PCPPlan
+
+    s, reqs = SHAPE, 5
+    plan = PCPPlan([40, 9, 3, 70, 12], [1] * reqs, group.world_size, rank, PCPConfig(decode="spread"),
+                   np.arange(reqs) % group.world_size, min_rows=4)
+    assert plan.decode_spread_only
+    ctx = PCPContext(plan, group, "cpu")
+    kv = torch.zeros(plan.t_pad, s.kv_heads, s.head_dim)
+    for _ in range(layers):
+        write_new_kv(ctx, kv, kv, torch.arange(reqs), lambda k, v, slots: None)
+    ctx.gather_output(torch.zeros(plan.t_pad, s.hidden), all_rows=False)
+    modelled = step_traffic.attention(plan, s) * layers + step_traffic.output(plan, s, False, layers)
+    return [(c.kind, c.nbytes, c.peer) for c in ctx.collectives], modelled
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_spread_decode_step_is_one_collective(world_size):
+    for issued, modelled in run_distributed(_spread_decode_step, world_size):
+        assert issued == modelled and len(issued) == 1
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -58,6 +59,16 @@ class Collective:
     kind: str
     nbytes: int
     peer: int = -1
+
+
+@dataclass(frozen=True)
+class DeferredKV:
+    """One attention layer's new K/V at a spread decode step (``split_attention.write_new_kv``): this
+    rank's rows are in its cache already; the other ranks' rows reach it with the step's output gather."""
+
+    kv: torch.Tensor  # [t_pad, kv_heads, 2 x head_dim]: this rank's rows, K then V along the last axis
+    slots: torch.Tensor  # [N x t_pad]: the slot of each gathered row, -1 for this rank's rows and padding
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (k, v, slots): the layer's write
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,7 @@ class PCPContext:
         self._conv: dict[int, ConvIndex] = {}
         self._owned_gdn: dict[int, tuple] = {}  # id of vLLM's metadata -> (it, its owned rows' cut)
         self.collectives: list[Collective] = []
+        self.deferred_kv: list[DeferredKV] = []  # written by gather_output
 
     def for_rows(self, num_tokens_padded: int) -> PCPContext:
         """This step's context for a call over ``num_tokens_padded`` rows (another model over the same
@@ -186,7 +198,7 @@ class PCPContext:
         if num_tokens_padded < self.plan.num_tokens:
             raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
         other = copy.copy(self)
-        other.num_tokens_padded, other.collectives = int(num_tokens_padded), []
+        other.num_tokens_padded, other.collectives, other.deferred_kv = int(num_tokens_padded), [], []
         return other
 
     @property
@@ -242,6 +254,26 @@ class PCPContext:
         self._log("recv", like, src)
         return self.group.recv(like.shape, like.dtype, src)
 
+    def defer_kv(self, layer_kv: DeferredKV) -> None:
+        """Carry an attention layer's new K/V to the other ranks with the output gather."""
+        self.deferred_kv.append(layer_kv)
+
+    def _gather_with_deferred_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """``all_gather(x)``. The step's deferred K/V (``defer_kv``) rides in the same collective, as
+        bytes after ``x``, and the other ranks' rows are written into this rank's caches."""
+        pending, self.deferred_kv = self.deferred_kv, []
+        if not pending:
+            return self.all_gather(x)
+        parts = [x.contiguous(), *(p.kv.contiguous() for p in pending)]
+        sizes = [p.numel() * p.element_size() for p in parts]
+        payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
+        gathered = self.all_gather(payload.view(1, -1)).split(sizes, dim=1)  # [N, bytes] each
+        for p, part in zip(pending, gathered[1:]):
+            kv = part.contiguous().view(p.kv.dtype).view(-1, *p.kv.shape[1:])
+            head = kv.shape[-1] // 2
+            p.write(kv[..., :head].contiguous(), kv[..., head:].contiguous(), p.slots)
+        return gathered[0].contiguous().view(x.dtype).view(-1, *x.shape[1:])
+
     def gather_output(self, hidden: torch.Tensor, all_rows: bool, keep_local: bool = False) -> torch.Tensor:
         """The step's hidden states in the runner's row order: ``num_tokens_padded`` rows, padding zero.
 
@@ -249,18 +281,19 @@ class PCPContext:
         wants prompt logprobs, which read every row: ``all_rows=False`` gathers ``num_reqs`` rows per
         rank instead of ``t_pad`` and leaves the other rows zero; the rows vLLM reads are the same bits.
         ``keep_local``: this rank's own rows stay at their places too (no communication): a split MTP
-        first pass reads them (``draft_first_pass``).
+        first pass reads them (``draft_first_pass``). The step's deferred K/V (a spread decode step's)
+        travels in the same collective: the step's one collective.
         """
         out = hidden.new_zeros(self.num_tokens_padded, *hidden.shape[1:])
         if all_rows:
-            gathered = self.all_gather(hidden)
+            gathered = self._gather_with_deferred_kv(hidden)
             out[: self.plan.num_tokens] = gathered.index_select(0, self.t.gathered_of_full)
             return out
         if keep_local:
             n = self.t.num_local_tokens
             out.index_copy_(0, self.t.local_idx[:n], hidden[:n])
         rows = self.sample_rows
-        picked = self.all_gather(hidden.index_select(0, rows.send))
+        picked = self._gather_with_deferred_kv(hidden.index_select(0, rows.send))
         out.index_copy_(0, rows.full, picked.index_select(0, rows.pick))
         return out
 

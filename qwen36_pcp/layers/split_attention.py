@@ -1,5 +1,5 @@
-"""Split full attention: all-gather this step's new K/V, write all of it into the (replicated) paged KV
-cache, then run end-aligned causal varlen attention of the local queries against the cache.
+"""Split full attention: every rank's new K/V into every rank's (replicated) paged KV cache, then
+end-aligned causal varlen attention of the local queries against the cache.
 
 One code path covers fresh prefill, continuation over cached context (chunked prefill, prefix-cache
 hits) and replicated decode rows: each local segment is a virtual sequence whose queries are the
@@ -12,24 +12,48 @@ import torch
 import vllm.envs as envs
 from vllm.v1.attention.backends import flash_attn as fa
 
-from .context import PCPContext
+from collections.abc import Callable
+
+from .context import DeferredKV, PCPContext
+
+
+def gathered_slots(ctx: PCPContext, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The cache slot of each gathered row ([N*t_pad], rank-major; -1: do not write).
+
+    ``slot_mapping`` is the runner's slot mapping of the FULL batch (same on every rank); padding rows
+    and the non-primary copies of replicated rows get -1, so every token is written exactly once."""
+    idx = ctx.t.gathered_full_idx
+    return torch.where(idx >= 0, slot_mapping.index_select(0, idx.clamp(min=0)),
+                       torch.full_like(idx, -1).to(slot_mapping.dtype))
 
 
 def gather_kv_for_cache(ctx: PCPContext, key: torch.Tensor, value: torch.Tensor,
                         slot_mapping: torch.Tensor):
-    """All ranks' new K/V ([N*t_pad, kv_heads, d]) and the slot of each row (-1: do not write).
-
-    ``slot_mapping`` is the runner's slot mapping of the FULL batch (same on every rank); padding rows
-    and the non-primary copies of replicated rows get -1, so every token is written exactly once.
-    """
+    """All ranks' new K/V ([N*t_pad, kv_heads, d]) and the slot of each row (``gathered_slots``)."""
     head_k = key.shape[-1]
     kv = ctx.all_gather(torch.cat([key, value], dim=-1))
-    k_all = kv[..., :head_k].contiguous()
-    v_all = kv[..., head_k:].contiguous()
-    idx = ctx.t.gathered_full_idx
-    slots = torch.where(idx >= 0, slot_mapping.index_select(0, idx.clamp(min=0)),
-                        torch.full_like(idx, -1).to(slot_mapping.dtype))
-    return k_all, v_all, slots
+    return kv[..., :head_k].contiguous(), kv[..., head_k:].contiguous(), gathered_slots(ctx, slot_mapping)
+
+
+def write_new_kv(ctx: PCPContext, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                 write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> None:
+    """This step's new K/V ([t_pad, kv_heads, d], this rank's rows) into every rank's cache through
+    ``write(k, v, slots)`` (the layer's cache write; slot -1: skipped).
+
+    At a split or mixed step the rows are all-gathered and written before the attention runs: a split
+    request's queries read the keys other ranks computed. At a spread decode step
+    (``decode_spread_only``) a rank's queries read only its own requests' keys, so it writes its own
+    rows now and the other ranks' rows reach it with the step's output gather
+    (``PCPContext.defer_kv``): one collective per step for every attention layer, not one per layer.
+    Every rank's cache is whole again when the step's model call returns."""
+    if not ctx.plan.decode_spread_only:
+        write(*gather_kv_for_cache(ctx, key, value, slot_mapping))
+        return
+    slots = gathered_slots(ctx, slot_mapping).view(ctx.world_size, -1)
+    write(key, value, slots[ctx.rank])
+    others = slots.clone()
+    others[ctx.rank] = -1
+    ctx.defer_kv(DeferredKV(torch.cat([key, value], dim=-1), others.view(-1), write))
 
 
 def vseq_block_table(ctx: PCPContext, block_table: torch.Tensor) -> torch.Tensor:
