@@ -284,16 +284,20 @@ def profile_report(out: str) -> tuple[list[str], list[dict]]:
                          f"{100 * full:21.1f}%")
     whole = [r for r in rows if r["first_pass"] == "whole"]
     if whole:
-        lines += [f"predicted share of a split step at {FULL_LAYERS} layers, per rank, from the whole first pass "
-                  "above: target x 40/8 x (its pcp)/N; drafter kept (whole) or / N (split)",
+        lines += [f"predicted share of a split step at {FULL_LAYERS} layers, per rank, from the runs above: target "
+                  f"(whole run's step - drafter) x 40/8 x (its pcp)/N; drafter: the whole run's kept, the split "
+                  "run's x (its pcp)/N (without a split run: the whole run's / N)",
                   f"{'tokens':>7} " + " ".join(f"{'pcp=' + str(n) + ' whole':>12} {'split':>6}" for n in PREDICT_PCPS)]
         for r in whole:
             target = (r["step_ms"] - r["drafter_ms"]) * FULL_LAYERS / LAYERS
+            split = next((s for s in rows if s["first_pass"] == "split" and s["config"] == r["config"]
+                          and s["tokens"] == r["tokens"]), None)
+            split_ms = split["drafter_ms"] * split["ranks"] if split else r["drafter_ms"]  # x pcp: 1 rank's
             cells = []
             for n in PREDICT_PCPS:
                 t = target * r["ranks"] / n
                 cells.append(f"{100 * r['drafter_ms'] / (t + r['drafter_ms']):11.1f}% "
-                             f"{100 * r['drafter_ms'] / n / (t + r['drafter_ms'] / n):5.1f}%")
+                             f"{100 * split_ms / n / (t + split_ms / n):5.1f}%")
             lines.append(f"{r['tokens']:>7} " + " ".join(cells))
     return lines, rows
 

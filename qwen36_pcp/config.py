@@ -51,10 +51,9 @@ class PCPConfig:
     # decode rows: computed by every rank (pcp=1's bits), or each by the one rank that owns the request
     # while it decodes (``decode_owners.py``): a rank's decode step then computes about 1/N of the rows
     decode: str = "replicated"
-    # the MTP drafter's first pass at a split step: every rank over every row (the target's rows all
-    # gathered first), or each rank over its own rows with the step's plan (``draft_first_pass.py``;
-    # see docs/validation.md for what it has been checked on)
-    mtp_first_pass: str = "whole"
+    # the MTP drafter's first pass at a split step: each rank over its own rows with the step's plan
+    # (``draft_first_pass.py``), or every rank over every row (the target's rows all gathered first)
+    mtp_first_pass: str = "split"
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:

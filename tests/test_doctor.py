@@ -147,7 +147,7 @@ def test_other_vllm_keys_are_not_misspellings(capsys, monkeypatch):
     rc, lines = run(capsys, "--additional-config", json.dumps(config))
     assert rc == 0, lines
     assert "ok      options: PCPConfig(layout='zigzag', gdn_mode='relay', min_split_tokens=4096, " \
-           "moe_experts='sharded', vision_encoder='split', decode='replicated', mtp_first_pass='whole')" in lines
+           "moe_experts='sharded', vision_encoder='split', decode='replicated', mtp_first_pass='split')" in lines
 
 
 @pytest.mark.parametrize("argv, message", [
