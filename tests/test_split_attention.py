@@ -109,3 +109,52 @@ def check_output_gather(ctx, out, ref):
 def test_split_attention_matches_full_sequence(world_size):
     errors = run_distributed(_worker, world_size, ("zigzag", "contiguous"))
     assert max(errors) < 1e-5
+
+
+def _spread_decode_kv(rank, group, layers=3):
+    """A spread decode step of 5 requests: each of ``layers`` attention layers writes its rows (K/V a
+    function of the layer and the token, fp32) through ``write_new_kv``; then the output gather of
+    bf16 hidden rows, the sampled rows first."""
+    from qwen36_pcp.layers.split_attention import write_new_kv
+
+    from .attention_reference import write_kv_reference
+
+    num_computed, num_new = [40, 9, 3, 70, 12], [1] * 5
+    owner = np.arange(5) % group.world_size
+    plan = PCPPlan(num_computed, num_new, group.world_size, rank, PCPConfig(decode="spread"), owner, min_rows=4)
+    assert plan.decode_spread_only
+    block_table, slot_mapping, num_blocks = kv_layout(num_computed, num_new, BS)
+    ctx = PCPContext(plan, group, "cpu", num_tokens_padded=plan.num_tokens + 3)
+    rows = torch.from_numpy(plan.local_full_idx[rank]).clamp(min=0)
+    mine = torch.from_numpy(plan.local_full_idx[rank][: plan.num_local_tokens])
+    kv_of = lambda layer, tok: (torch.arange(KVH * D, dtype=torch.float32).view(KVH, D) + 100 * layer  # noqa: E731
+                                + 1000 * tok.view(-1, 1, 1).float())
+    caches, out = [], {}
+    for layer in range(layers):
+        k_cache, v_cache = torch.zeros(num_blocks, BS, KVH, D), torch.zeros(num_blocks, BS, KVH, D)
+        caches.append((k_cache, v_cache))
+        write_new_kv(ctx, kv_of(layer, rows), -kv_of(layer, rows), slot_mapping,
+                     lambda k, v, slots, c=(k_cache, v_cache): write_kv_reference(k, v, c[0], c[1], slots))
+        flat = k_cache.view(-1, KVH, D)
+        out.setdefault("own_first", []).append(bool(torch.equal(flat[slot_mapping[mine]], kv_of(layer, mine))))
+        others = torch.from_numpy(np.setdiff1d(np.arange(5), mine.numpy()))
+        out.setdefault("others_later", []).append(bool((flat[slot_mapping[others]] == 0).all()))
+    out["collectives_before"] = len(ctx.collectives)
+    hidden = (rows.view(-1, 1) * 10 + torch.arange(8)).to(torch.bfloat16)
+    last = ctx.gather_output(hidden, all_rows=False)
+    out["collectives"] = len(ctx.collectives)
+    every = torch.arange(5)
+    out["sampled"] = bool(torch.equal(last[every], (every.view(-1, 1) * 10 + torch.arange(8)).to(torch.bfloat16)))
+    out["caches"] = [bool(torch.equal(k.view(-1, KVH, D)[slot_mapping], kv_of(j, every))
+                          and torch.equal(v.view(-1, KVH, D)[slot_mapping], -kv_of(j, every)))
+                     for j, (k, v) in enumerate(caches)]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_spread_decode_kv_rides_in_the_output_gather(world_size):
+    """At a spread decode step each layer writes the rank's own rows before its attention; every
+    layer's rows of every rank reach every rank's caches with the output gather, in one collective."""
+    for rank, out in enumerate(run_distributed(_spread_decode_kv, world_size)):
+        assert all(out["own_first"]) and all(out["others_later"]) and out["collectives_before"] == 0, rank
+        assert out["collectives"] == 1 and out["sampled"] and all(out["caches"]), (rank, out)
