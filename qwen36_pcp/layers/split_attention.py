@@ -8,11 +8,11 @@ segment's tokens and whose keys are the request's first ``num_computed + segment
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import vllm.envs as envs
 from vllm.v1.attention.backends import flash_attn as fa
-
-from collections.abc import Callable
 
 from .context import DeferredKV, PCPContext
 
@@ -45,7 +45,7 @@ def write_new_kv(ctx: PCPContext, key: torch.Tensor, value: torch.Tensor, slot_m
     (``decode_spread_only``) a rank's queries read only its own requests' keys, so it writes its own
     rows now and the other ranks' rows reach it with the step's output gather
     (``PCPContext.defer_kv``): one collective per step for every attention layer, not one per layer.
-    Every rank's cache is whole again when the step's model call returns."""
+    Every rank's cache is whole again once the step's output gather returns."""
     if not ctx.plan.decode_spread_only:
         write(*gather_kv_for_cache(ctx, key, value, slot_mapping))
         return
