@@ -21,9 +21,8 @@ import contextlib
 
 import torch
 from vllm.config import CUDAGraphMode
-from vllm.forward_context import get_forward_context
 
-from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
+from .layers.context import PCPContext, running_step
 
 # the first pass's row-aligned inputs (``build_model_inputs_first_pass``) and the axis of their rows
 ROW_INPUTS = (("input_ids", 0), ("inputs_embeds", 0), ("hidden_states", 0), ("positions", -1))
@@ -56,16 +55,9 @@ class FirstPassSplit:
         for name, dim in ROW_INPUTS:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name].index_select(dim, ctx.t.local_idx)
-        forward_context = get_forward_context()
-        saved = forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor
-        forward_context.additional_kwargs[FORWARD_CONTEXT_KEY] = ctx
         # a captured graph holds the whole batch's rows: the rank's rows run eagerly, as the target's do
-        forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor = CUDAGraphMode.NONE, None
-        try:
+        with running_step(ctx, (CUDAGraphMode.NONE, None)):
             output = self.model(**kwargs)
-        finally:
-            forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
-            forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor = saved
         if not isinstance(output, torch.Tensor):
             raise RuntimeError(f"qwen36_pcp: the MTP drafter returned {type(output).__name__}, not one tensor "
                                "of hidden states; its first pass cannot be split")

@@ -27,7 +27,7 @@ import vllm.v1.worker.block_table as block_table_module
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
 from vllm.config import CUDAGraphMode
 from vllm.distributed import get_pcp_group
-from vllm.forward_context import BatchDescriptor, get_forward_context
+from vllm.forward_context import BatchDescriptor
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -35,7 +35,7 @@ from .config import PCPConfig, pcp_config_of
 from .decode_owners import DecodeOwners
 from .draft_first_pass import split_first_pass
 from .layers.classes import adopt_pcp_attention, pcp_model_build
-from .layers.context import FORWARD_CONTEXT_KEY, PCPContext
+from .layers.context import PCPContext, running_step
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .plan import PCPPlan, spread_decode_step
 
@@ -185,15 +185,11 @@ class PCPModelRunner(GPUModelRunner):
         full = input_ids if input_ids is not None else inputs_embeds
         ctx = PCPContext(step.plan, self.pcp_group, full.device, num_tokens_padded=full.shape[0])
         idx, in_place = ctx.t.local_idx, step.graph is not None
-        forward_context = get_forward_context()
-        forward_context.additional_kwargs[FORWARD_CONTEXT_KEY] = ctx
-        try:
-            with local_graph(forward_context, step.graph):
-                hidden = super()._model_forward(
-                    local_rows(input_ids, idx, 0, in_place), local_rows(positions, idx, -1, in_place),
-                    intermediate_tensors, local_rows(inputs_embeds, idx, 0, in_place), **model_kwargs)
-        finally:
-            forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
+        # a spread decode step replays the PIECEWISE graph of its local rows
+        with running_step(ctx, None if step.graph is None else (CUDAGraphMode.PIECEWISE, step.graph)):
+            hidden = super()._model_forward(
+                local_rows(input_ids, idx, 0, in_place), local_rows(positions, idx, -1, in_place),
+                intermediate_tensors, local_rows(inputs_embeds, idx, 0, in_place), **model_kwargs)
         split_drafter = self._split_drafter_enabled()
         self.draft_ctx = ctx if split_drafter else None
         return ctx.gather_output(hidden, all_rows=self._reads_every_row(split_drafter), keep_local=split_drafter)
@@ -290,21 +286,6 @@ def local_rows(x: torch.Tensor | None, idx: torch.Tensor, dim: int, in_place: bo
     head = x.narrow(dim, 0, idx.numel())
     head.copy_(rows)
     return head
-
-
-@contextlib.contextmanager
-def local_graph(forward_context, graph: BatchDescriptor | None):
-    """vLLM's forward context set to replay the PIECEWISE graph ``graph`` (None: as it is) while
-    the model runs on the rank's rows; the runner's whole-batch dispatch is put back after."""
-    if graph is None:
-        yield
-        return
-    saved = forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor
-    forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor = CUDAGraphMode.PIECEWISE, graph
-    try:
-        yield
-    finally:
-        forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor = saved
 
 
 def rank0_rows(group, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

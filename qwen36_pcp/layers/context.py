@@ -10,6 +10,7 @@ rank sent.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -369,6 +370,23 @@ def owned_decode_metadata(plan: PCPPlan, full, device) -> object | None:
         non_spec_query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
         non_spec_state_indices_tensor=full.non_spec_state_indices_tensor.index_select(0, rows),
     )
+
+
+@contextlib.contextmanager
+def running_step(ctx: PCPContext, cudagraph: tuple | None = None):
+    """vLLM's forward context while a model call runs this rank's rows of a planned step: ``ctx`` for
+    the PCP layers (``current_pcp_context``) and, given ``(mode, batch descriptor)``, that CUDA graph
+    dispatch instead of the whole batch's; all put back after."""
+    forward_context = get_forward_context()
+    saved = forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor
+    forward_context.additional_kwargs[FORWARD_CONTEXT_KEY] = ctx
+    if cudagraph is not None:
+        forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor = cudagraph
+    try:
+        yield
+    finally:
+        forward_context.additional_kwargs.pop(FORWARD_CONTEXT_KEY, None)
+        forward_context.cudagraph_runtime_mode, forward_context.batch_descriptor = saved
 
 
 def current_pcp_context() -> PCPContext | None:
