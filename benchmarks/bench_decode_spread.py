@@ -1,5 +1,6 @@
 """Decode step per rank: every rank decoding every request (``decode="replicated"``) against each rank
-decoding its own share (``decode="spread"``: its local batch through vLLM's PIECEWISE CUDA graphs).
+decoding its own share (``decode="spread"``: its own requests as vLLM's batch, through vLLM's CUDA graph
+of that batch).
 
 Qwen3.6-35B-A3B shape with its first 8 layers (2 x [3 GDN + 1 attention]: four ranks' weights fit one
 GPU), dummy weights, vLLM's defaults (torch.compile, CUDA graphs). Every rank of an engine runs on one
@@ -12,7 +13,8 @@ Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: t
 mean over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). Predicted per
 rank on N GPUs: the slowest rank's turn time plus the step's collectives (``step_traffic`` of the
 spread plan, priced by ``predict_ttft``'s NVLink model). Each rank also records the kind of every step
-(``graph``: a spread decode step replaying its local graph). Prints a table, writes JSON and a PNG:
+(``owned_full``: a spread decode step through vLLM's FULL graph of its own requests). Prints a table,
+writes JSON and a PNG:
 
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread            # one GPU, ~8 min
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread --report-only
@@ -56,7 +58,7 @@ def engine_args(config: str) -> dict:
     args = dict(prefill_context_parallel_size=ranks, **bench_ttft.shared_gpu_args(ranks))
     if ranks > 1:
         args["additional_config"] = {"qwen36_pcp": SPREAD}
-    if config == "pcp1_piecewise":  # vLLM's PIECEWISE graphs alone: what a spread rank replays, at pcp=1
+    if config == "pcp1_piecewise":  # vLLM's PIECEWISE graphs alone (attention and GDN eager between them)
         args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     return args
 
@@ -171,8 +173,8 @@ def plan_host_ms() -> dict:
 
 
 def graph_rows(rows: int) -> int:
-    """The size of the PIECEWISE graph a local batch of ``rows`` replays under vLLM's default capture
-    sizes (1, 2, 4, then multiples of 8 up to 256, of 16 beyond): its K/V gather moves that many."""
+    """The size of the CUDA graph a batch of ``rows`` decode rows replays under vLLM's default capture
+    sizes (1, 2, 4, then multiples of 8 up to 256, of 16 beyond): the step's gather moves that many."""
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM 0.20.2's config/vllm.py
     return next((s for s in sizes if s >= rows), rows)
 
@@ -313,8 +315,8 @@ def report(out: str) -> dict:
                          f"host: {ops}")
     kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
     if kinds:
-        lines.append("model forwards by kind, per rank (whole: unsplit; graph: spread decode replaying its "
-                     "local graph; eager: other planned steps): "
+        lines.append("model forwards by kind, per rank (whole: unsplit; owned_<graph mode>: a spread decode "
+                     "step, the rank's own requests as vLLM's batch; split: other planned steps): "
                      + "; ".join(f"{c}: {k}" for c, k in kinds.items()))
     plan_ms = base.get("plan_ms", {})
     if plan_ms:

@@ -234,9 +234,10 @@ class StepRecordingWorker(PCPWorker):
 
 def record_step_kinds(worker) -> None:
     """With ``QWEN36_PCP_RECORD_STEPS=<file>``, each rank appends the kind of each model forward to
-    ``<file>.<rank>``, one per line: ``whole`` (an unsplit step), ``graph`` (a spread decode step
-    replaying its local PIECEWISE graph) or ``eager`` (any other planned step): a test sees which path
-    the steps took, which the answers alone cannot show."""
+    ``<file>.<rank>``, one per line: ``whole`` (an unsplit step), ``owned_full`` / ``owned_piecewise`` /
+    ``owned_none`` (a spread decode step: the rank's own requests as vLLM's batch, under that CUDA graph
+    mode) or ``split`` (any other planned step): a test sees which path the steps took, which the
+    answers alone cannot show."""
     path = os.environ.get(STEPS_ENV)
     runner = getattr(worker, "model_runner", None)
     if not path or runner is None:
@@ -244,9 +245,11 @@ def record_step_kinds(worker) -> None:
     forward = runner._model_forward
 
     def recorded(*args, **kwargs):
+        from vllm.forward_context import get_forward_context
+
         step = getattr(runner, "pcp_step", None)
-        kind = ("whole" if step is None or step.plan is None
-                else "graph" if step.graph is not None else "eager")
+        kind = ("whole" if step is None or step.plan is None else "split" if step.owned is None
+                else f"owned_{get_forward_context().cudagraph_runtime_mode.name.lower()}")
         with open(f"{path}.{worker.rank}", "a") as f:
             f.write(kind + "\n")
         return forward(*args, **kwargs)

@@ -9,7 +9,8 @@ the rows vLLM reads next (each request's last row; every row when a request want
 sampling, logprobs and prompt logprobs see what they see at pcp == 1. An unsplit step (decode, short
 prompts) runs on every rank as at pcp == 1 and takes the rows that get sampled from rank 0; with
 ``decode="spread"`` a step's decode rows go each to its request's owner instead, planned as a split
-step is; a step of decode rows alone replays vLLM's PIECEWISE CUDA graph of the rank's own rows.
+step is; at a step of decode rows alone each rank runs vLLM's own decode of the requests it owns
+(``owned_batch``), through vLLM's CUDA graph of that batch.
 
 KV cache: vLLM 0.20.2 would shard it over the PCP ranks (and rejects hybrid models); here every rank
 holds the whole cache and every request's GDN states, so the block tables and slot mapping are
@@ -25,9 +26,8 @@ import numpy as np
 import torch
 import vllm.v1.worker.block_table as block_table_module
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
-from vllm.config import CUDAGraphMode
 from vllm.distributed import get_pcp_group
-from vllm.forward_context import BatchDescriptor
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -37,6 +37,7 @@ from .draft_first_pass import split_first_pass
 from .layers.classes import adopt_pcp_attention, pcp_model_build
 from .layers.context import PCPContext, running_step
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
+from .owned_batch import OwnedBatch, defer_cached_kv
 from .plan import PCPPlan, spread_decode_step
 
 
@@ -67,7 +68,7 @@ class PCPStep:
 
     plan: PCPPlan | None  # None: an unsplit step
     logits_indices: torch.Tensor  # the rows vLLM samples from
-    graph: BatchDescriptor | None = None  # a spread decode step's PIECEWISE graph (its local rows)
+    owned: OwnedBatch | None = None  # a spread decode step: the batch of this rank's own requests
 
 
 class PCPModelRunner(GPUModelRunner):
@@ -100,17 +101,20 @@ class PCPModelRunner(GPUModelRunner):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self.draft_ctx = None  # set again by a split step whose drafter splits (_model_forward)
-        plan, graph = self._plan(num_scheduled_tokens)
-        self.pcp_step = PCPStep(plan, logits_indices, graph)
+        plan, owned = self._plan(num_scheduled_tokens)
+        if owned is not None:
+            owned.write_heads(self)
+        self.pcp_step = PCPStep(plan, logits_indices, owned)
         return logits_indices, spec_decode_metadata
 
-    def _plan(self, num_new: np.ndarray) -> tuple[PCPPlan | None, BatchDescriptor | None]:
+    def _plan(self, num_new: np.ndarray) -> tuple[PCPPlan | None, OwnedBatch | None]:
         """The step's plan (None when the step stays whole: no request has enough new tokens to
         split and (``decode="spread"``) none decodes, or (speculative decoding) a request is past its
         prompt. With ``decode="spread"`` each decode row goes to its request's owner
         (``decode_owners``), and a step that hands a request's states over from its owner is planned
-        (the GDN layers broadcast them first) even when nothing splits. A spread decode step also gets
-        the PIECEWISE graph its local rows replay (``_spread_graph``), its plan padded to that size.
+        (the GDN layers broadcast them first) even when nothing splits. A spread decode step (every
+        row owned) runs each rank's own requests as vLLM's batch (``owned_batch``), every rank's plan
+        padded to the size of the batch the busiest rank runs (``_owned_rows``).
 
         With speculative decoding, a step with any row past its prompt (decode rows, the drafts'
         verification rows) stays whole: the GDN layers keep those rows' states in a separate index
@@ -131,40 +135,51 @@ class PCPModelRunner(GPUModelRunner):
         if self.speculative_config is not None and np.any(
                 num_computed + num_new > self.input_batch.num_prompt_tokens[:num_reqs]):
             return None, None
-        graph = self._spread_graph(owner, num_new)
+        rows = self._owned_rows(owner, num_new) if spread_decode_step(owner, num_new) else 0
         plan = PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config, owner,
-                       handover, min_rows=0 if graph is None else graph.num_tokens)
-        return plan, graph
+                       handover, min_rows=rows)
+        return plan, (OwnedBatch.of(plan, plan.t_pad) if rows else None)
 
-    def _spread_graph(self, owner: np.ndarray | None, num_new: np.ndarray) -> BatchDescriptor | None:
-        """The captured PIECEWISE CUDA graph a spread decode step runs its local rows through, or None.
-
-        vLLM's FULL graphs hold whole batches; its PIECEWISE graphs (captured for every size of
-        ``cudagraph_capture_sizes`` under ``FULL_AND_PIECEWISE``, the default) hold everything between
-        the attention and GDN ops, which run eagerly and read the step's plan. Each rank's local batch
-        (the most rows any rank owns, padded to a captured size) replays them: its cost follows
-        B / N, not B. None where vLLM has no such graph (``enforce_eager``, a mode without PIECEWISE,
-        more rows than ``max_cudagraph_capture_size``), where the padded size exceeds the step's
-        rows (the inputs are written into the head of vLLM's whole-batch buffers), and where vLLM's
-        K/V write (``unified_kv_cache_update``) is inside the graphs (``splitting_ops`` set by the user,
-        Inductor's graph partition): replayed as captured, it would write this rank's rows to other
-        tokens' slots and skip the other ranks' rows; by default it is a splitting op, run eagerly."""
-        if (not spread_decode_step(owner, num_new)
-                or not self.compilation_config.splitting_ops_contain_kv_cache_update()):
-            return None
+    def _owned_rows(self, owner: np.ndarray, num_new: np.ndarray) -> int:
+        """The batch size every rank runs at a spread decode step: the most requests any rank owns,
+        padded as vLLM's dispatcher pads a decode batch of that size (to its CUDA graph's size)."""
         rows = int(np.bincount(owner, minlength=self.pcp_group.world_size).max())
-        mode, desc = self.cudagraph_dispatcher.dispatch(rows, valid_modes={CUDAGraphMode.PIECEWISE,
-                                                                            CUDAGraphMode.NONE})
-        if mode != CUDAGraphMode.PIECEWISE or desc.num_tokens > len(num_new):
-            return None
-        return desc
+        return self.cudagraph_dispatcher.dispatch(rows, uniform_decode=True)[1].num_tokens
 
     def _determine_batch_execution_and_padding(self, *args, force_eager: bool = False, **kwargs):
-        # vLLM dispatches the whole batch; a split or spread step runs a local slice (through the
-        # compiled graph where there is one: force_eager only skips the whole batch's graphs; a spread
-        # decode step switches to its local PIECEWISE graph in _model_forward)
-        split = self.pcp_step is not None and self.pcp_step.plan is not None
+        # vLLM dispatches the whole batch; a split step runs a local slice (through the compiled graph
+        # where there is one: force_eager only skips the whole batch's graphs); a spread decode step
+        # dispatches the batch of the rank's own requests, a decode batch of that size at pcp == 1
+        step = self.pcp_step
+        if step is not None and step.owned is not None:
+            rows = step.owned.num_rows
+            kwargs.update(num_tokens=rows, num_reqs=rows, num_scheduled_tokens_np=np.ones(rows, dtype=np.int32),
+                          max_num_scheduled_tokens=1, use_cascade_attn=False)
+            return super()._determine_batch_execution_and_padding(force_eager=force_eager, **kwargs)
+        split = step is not None and step.plan is not None
         return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager or split, **kwargs)
+
+    def _get_slot_mappings(self, num_tokens_padded: int, num_reqs_padded: int, num_tokens_unpadded: int,
+                           ubatch_slices=None):
+        # a spread decode step: the owned rows' slots at the head, -1 past them to the batch's size
+        owned = self.pcp_step.owned if self.pcp_step is not None else None
+        if owned is not None:
+            num_tokens_padded = num_reqs_padded = owned.num_rows
+            num_tokens_unpadded = owned.num_reqs
+        return super()._get_slot_mappings(num_tokens_padded, num_reqs_padded, num_tokens_unpadded, ubatch_slices)
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        # a spread decode step: vLLM's metadata of a decode batch of the owned requests (at the
+        # buffers' heads), padded to the batch every rank runs
+        owned = self.pcp_step.owned if self.pcp_step is not None else None
+        if owned is None:
+            return super()._build_attention_metadata(*args, **kwargs)
+        if owned.num_reqs == 0:  # this rank owns no request: the model does not run
+            return {}, None
+        kwargs.update(num_tokens=owned.num_reqs, num_reqs=owned.num_reqs, num_tokens_padded=owned.num_rows,
+                      num_reqs_padded=owned.num_rows, max_query_len=1, logits_indices=None,
+                      cascade_attn_prefix_lens=None)
+        return super()._build_attention_metadata(**kwargs)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         try:
@@ -182,17 +197,60 @@ class PCPModelRunner(GPUModelRunner):
             hidden = super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
                                             **model_kwargs)
             return rank0_rows(self.pcp_group, hidden, step.logits_indices.long())
+        if step.owned is not None:
+            return self._owned_forward(step, input_ids, positions, intermediate_tensors, inputs_embeds,
+                                       **model_kwargs)
         full = input_ids if input_ids is not None else inputs_embeds
         ctx = PCPContext(step.plan, self.pcp_group, full.device, num_tokens_padded=full.shape[0])
-        idx, in_place = ctx.t.local_idx, step.graph is not None
-        # a spread decode step replays the PIECEWISE graph of its local rows
-        with running_step(ctx, None if step.graph is None else (CUDAGraphMode.PIECEWISE, step.graph)):
-            hidden = super()._model_forward(
-                local_rows(input_ids, idx, 0, in_place), local_rows(positions, idx, -1, in_place),
-                intermediate_tensors, local_rows(inputs_embeds, idx, 0, in_place), **model_kwargs)
+        idx = ctx.t.local_idx
+        with running_step(ctx):
+            hidden = super()._model_forward(local_rows(input_ids, idx, 0), local_rows(positions, idx, -1),
+                                            intermediate_tensors, local_rows(inputs_embeds, idx, 0), **model_kwargs)
         split_drafter = self._split_drafter_enabled()
         self.draft_ctx = ctx if split_drafter else None
         return ctx.gather_output(hidden, all_rows=self._reads_every_row(split_drafter), keep_local=split_drafter)
+
+    def _owned_forward(self, step: PCPStep, input_ids, positions, intermediate_tensors, inputs_embeds,
+                       **model_kwargs):
+        """A spread decode step: vLLM's forward of the batch of this rank's own requests (no PCP
+        context: the layers run as at pcp == 1, in vLLM's CUDA graph of that batch), the runner's
+        buffers put back, then one all-gather of every rank's sampled rows and new K/V.
+
+        vLLM hands the model the head of its input buffers (``num_rows`` rows: a graph replays what
+        it read at capture, those heads); the owned requests' ids, positions and embeddings are
+        written there from the whole batch's rows."""
+        plan, owned = step.plan, step.owned
+        num_tokens = plan.num_tokens
+        ctx = PCPContext(plan, self.pcp_group, self.device, num_tokens_padded=num_tokens)
+        idx = ctx.t.local_idx
+        try:
+            if owned.num_reqs:
+                n = max(num_tokens, owned.num_rows)  # the batch's rows, and the heads the model reads
+                whole = (self.input_ids.gpu[:n] if input_ids is not None else None,
+                         self.mrope_positions.gpu[:, :n] if positions.dim() == 2 else self.positions[:n],
+                         self.inputs_embeds.gpu[:n] if inputs_embeds is not None else None)
+                hidden = super()._model_forward(
+                    local_rows(whole[0], idx, 0, in_place=True), local_rows(whole[1], idx, -1, in_place=True),
+                    intermediate_tensors, local_rows(whole[2], idx, 0, in_place=True), **model_kwargs)
+            else:  # no request of its own: nothing to compute
+                hidden = torch.zeros(owned.num_rows, self.model_config.get_hidden_size(), dtype=self.dtype,
+                                     device=self.device)
+        finally:
+            owned.restore(self)
+        for gid, layers in self._attention_layers_by_group():
+            defer_cached_kv(ctx, layers, self.input_batch.block_table[gid].slot_mapping.gpu[:num_tokens])
+        return ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
+
+    def _attention_layers_by_group(self) -> list[tuple[int, list[Attention]]]:
+        """The model's attention layers per KV-cache group (the MTP drafter's left out), once."""
+        if not hasattr(self, "_attention_groups"):
+            ours = {id(m) for m in self.model.modules() if isinstance(m, Attention)}
+            layers = self.compilation_config.static_forward_context
+            self._attention_groups = [
+                (gid, [layers[name] for name in group.layer_names if id(layers.get(name)) in ours])
+                for gid, group in enumerate(self.kv_cache_config.kv_cache_groups)]
+            self._attention_groups = [(gid, found) for gid, found in self._attention_groups if found]
+        return self._attention_groups
 
     def _split_drafter_enabled(self) -> bool:
         """Whether the MTP drafter's first pass at a split step runs this rank's rows
@@ -274,7 +332,7 @@ class PCPModelRunner(GPUModelRunner):
                 group.recv(x.shape, x.dtype, src)
 
 
-def local_rows(x: torch.Tensor | None, idx: torch.Tensor, dim: int, in_place: bool) -> torch.Tensor | None:
+def local_rows(x: torch.Tensor | None, idx: torch.Tensor, dim: int, in_place: bool = False) -> torch.Tensor | None:
     """The rank's rows of one of the step's inputs (``idx`` along ``dim``). ``in_place``: written into
     the head of ``x`` and returned as that view: vLLM passes views of its persistent input buffers
     from their start, and a CUDA graph replays what it read at capture, those buffers' heads."""

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen36_pcp.layers.context import PCPContext
-from qwen36_pcp.layers.split_attention import vseq_block_table, write_new_kv
+from qwen36_pcp.layers.split_attention import gather_kv_for_cache, vseq_block_table
 
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
@@ -53,10 +53,9 @@ def paged_causal_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
 
 def split_attention_reference(ctx: PCPContext, query, key, value, key_cache, value_cache,
                               slot_mapping, block_table, scale) -> torch.Tensor:
-    """The whole split-attention layer step with torch reference kernels (CPU tests). At a spread
-    decode step the other ranks' K/V is written by the step's output gather (``ctx.gather_output``)."""
-    write_new_kv(ctx, key, value, slot_mapping,
-                 lambda k, v, slots: write_kv_reference(k, v, key_cache, value_cache, slots))
+    """The whole split-attention layer step with torch reference kernels (CPU tests)."""
+    k_all, v_all, slots = gather_kv_for_cache(ctx, key, value, slot_mapping)
+    write_kv_reference(k_all, v_all, key_cache, value_cache, slots)
     t = ctx.t
     return paged_causal_attention_reference(
         query, key_cache, value_cache, t.segments.cu, t.seqused_k, vseq_block_table(ctx, block_table), scale

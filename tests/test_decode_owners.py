@@ -4,7 +4,6 @@ then context, the same on every rank, ended by a recompute from token 0."""
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 
 from qwen36_pcp.decode_owners import DecodeOwners
 
@@ -75,34 +74,3 @@ def test_every_rank_computes_the_same_owners():
         assert got[0] == got[1] == got[2]
         counts = np.bincount(np.array(got[0], dtype=np.int64), minlength=4)
         assert counts.max() - counts.min() <= max(3, len(batch) // 2)  # new requests fill the gaps
-
-
-def test_owned_decode_metadata_cuts_vllms_gdn_metadata():
-    """A spread decode step's GDN metadata on each rank: vLLM's for the whole step, cut to the rows the
-    rank owns, in its local order (what vLLM's decode kernels then read: the state lines, the count)."""
-    import torch
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-
-    from qwen36_pcp.config import PCPConfig
-    from qwen36_pcp.layers.context import owned_decode_metadata
-    from qwen36_pcp.plan import PCPPlan
-
-    full = GDNAttentionMetadata(num_prefills=0, num_prefill_tokens=0, num_decodes=5, num_decode_tokens=5,
-                                num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=5,
-                                non_spec_query_start_loc=torch.arange(6, dtype=torch.int32),
-                                non_spec_state_indices_tensor=torch.tensor([11, 12, 13, 14, 15], dtype=torch.int32))
-    owner = np.array([2, 0, 2, 1, 0])
-    cuts = [owned_decode_metadata(PCPPlan([9] * 5, [1] * 5, 4, r, PCPConfig(), owner), full, "cpu")
-            for r in range(4)]
-    assert cuts[3] is None  # rank 3 owns no row
-    for r, rows in ((0, [12, 15]), (1, [14]), (2, [11, 13])):
-        cut = cuts[r]
-        assert cut.non_spec_state_indices_tensor.tolist() == rows
-        assert cut.num_actual_tokens == cut.num_decodes == cut.num_decode_tokens == len(rows)
-        assert cut.non_spec_query_start_loc.tolist() == list(range(len(rows) + 1))
-        assert cut.num_prefills == 0 and cut.spec_sequence_masks is None
-    assert full.non_spec_state_indices_tensor.tolist() == [11, 12, 13, 14, 15]  # vLLM's is left as it was
-    with pytest.raises(RuntimeError, match="prefill"):
-        import dataclasses
-        owned_decode_metadata(PCPPlan([9] * 5, [1] * 5, 4, 0, PCPConfig(), owner),
-                              dataclasses.replace(full, num_prefills=1), "cpu")

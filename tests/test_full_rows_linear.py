@@ -20,9 +20,8 @@ def test_narrow_linear_runs_on_the_steps_full_row_count(monkeypatch):
     monkeypatch.setattr(frl.F, "linear", linear)
     x, w = torch.randn(5, 8), torch.randn(1, 8)
     ref = real(x, w)
-    split, spread = (SimpleNamespace(num_tokens_padded=12, plan=SimpleNamespace(decode_spread_only=only))
-                     for only in (False, True))
-    for ctx, rows in ((None, 5), (split, 12), (spread, 5)):
+    split = SimpleNamespace(num_tokens_padded=12)
+    for ctx, rows in ((None, 5), (split, 12)):
         monkeypatch.setattr(frl, "current_pcp_context", lambda ctx=ctx: ctx)
         out = torch.ops.vllm.qwen36_pcp_full_rows_linear(x, w, None)
         assert shapes.pop() == (rows, 8)

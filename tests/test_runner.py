@@ -288,70 +288,181 @@ def _graphs(runner, mode, kv_write_split: bool = True) -> None:
     runner.compilation_config, runner.cudagraph_dispatcher = config, dispatcher
 
 
-def _spread_steps(rank, group):
-    """decode="spread": a decode step, a step with decode rows beside a split and a short prompt, a
-    step of a short prompt alone, through one runner whose vLLM captured PIECEWISE graphs; then the
-    decode step again where vLLM captured only FULL ones, and where its K/V write is inside the graphs."""
+class _BlockTables:
+    """vLLM's ``MultiGroupBlockTable`` as the runner reads it: per KV-cache group (attention, GDN) a
+    block table and a slot mapping, vLLM's ``CpuGpuBuffer`` on the CPU."""
+
+    def __init__(self, rows: int = 16, tokens: int = 8192):
+        from vllm.v1.utils import CpuGpuBuffer
+
+        cpu = torch.device("cpu")
+        self.block_tables = [SimpleNamespace(
+            block_table=CpuGpuBuffer(rows, 4, dtype=torch.int32, device=cpu, pin_memory=False),
+            slot_mapping=CpuGpuBuffer(tokens, dtype=torch.int64, device=cpu, pin_memory=False)) for _ in range(2)]
+
+    def __getitem__(self, group: int):
+        return self.block_tables[group]
+
+
+def _spread_runner(group, rank, seen, calls):
+    """A stand-in runner for ``decode="spread"`` with vLLM's buffers (on the CPU) and its parts of a
+    step stood in for as they use those buffers: ``_prepare_inputs`` fills the whole batch's query
+    starts, sequence lengths, block-table rows, slots (attention slot = 7 + 11 x the token's row),
+    ids and positions; the dispatch asks vLLM's dispatcher (graphs of 1, 2, 4, 8 rows);
+    ``_get_slot_mappings`` sets the slots past the unpadded rows to -1; ``_build_attention_metadata``
+    notes what it would read (the buffers' heads); the model, as a CUDA graph would, reads the ids
+    and positions at the heads and writes each row's K/V (a function of its id and position) at the
+    head slots into two attention layers' caches."""
     from vllm.config import CUDAGraphMode
-    from vllm.forward_context import ForwardContext, get_forward_context, override_forward_context
+    from vllm.v1.utils import CpuGpuBuffer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from qwen36_pcp.config import PCPConfig
+
+    from .attention_reference import write_kv_reference
+
+    model = _model(rank, seen)
+    runner = _stand_in_runner(group, PCPConfig(decode="spread"), None, [])
+    cpu = torch.device("cpu")
+    runner.query_start_loc = CpuGpuBuffer(17, dtype=torch.int32, device=cpu, pin_memory=False)
+    runner.input_ids = CpuGpuBuffer(8192, dtype=torch.int64, device=cpu, pin_memory=False)
+    runner.seq_lens, runner.positions = torch.zeros(16, dtype=torch.int32), torch.zeros(8192, dtype=torch.int64)
+    runner.optimistic_seq_lens_cpu = torch.zeros(16, dtype=torch.int32)
+    runner.model_config, runner.dtype = SimpleNamespace(get_hidden_size=lambda: HIDDEN), torch.float64
+    layers = [SimpleNamespace(kv_cache=torch.zeros(2, 16, 8, 1, HIDDEN, dtype=torch.float64), impl=SimpleNamespace(
+        do_kv_cache_update=lambda lay, k, v, cache, slots: write_kv_reference(k, v, cache[0], cache[1], slots)))
+        for _ in range(2)]
+    runner._attention_groups = [(0, layers)]
+
+    def prepare(self, so, num_new):
+        reqs, computed = len(num_new), self.input_batch.num_computed_tokens_cpu[: len(num_new)]
+        cu = np.concatenate([[0], np.cumsum(num_new)])
+        tokens = int(cu[-1])
+        self.query_start_loc.np[: reqs + 1], self.query_start_loc.np[reqs + 1:] = cu, cu[-1]
+        self.query_start_loc.copy_to_gpu()
+        self.seq_lens[:reqs], self.seq_lens[reqs:] = torch.from_numpy(computed + num_new), 0
+        self.optimistic_seq_lens_cpu.copy_(self.seq_lens)
+        self.input_ids.gpu[:tokens] = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
+        self.positions[:tokens] = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(computed, num_new)]))
+        for g, table in enumerate(self.input_batch.block_table.block_tables):
+            table.block_table.gpu[:reqs] = torch.arange(reqs)[:, None] * 10 + torch.arange(4) + 100 * g
+            table.slot_mapping.gpu[:tokens] = torch.arange(tokens) * 11 + 7 + 1000 * g
+        calls["prepared"] = _buffers(self)
+        return torch.from_numpy(cu[1:] - 1), None
+
+    def dispatch(self, *args, force_eager=False, **kw):
+        uniform = kw["max_num_scheduled_tokens"] == 1 and kw["num_tokens"] == kw["num_reqs"]
+        mode, desc = self.cudagraph_dispatcher.dispatch(
+            kw["num_tokens"], uniform_decode=uniform, valid_modes={CUDAGraphMode.NONE} if force_eager else None)
+        calls["dispatch"] = (kw["num_tokens"], kw["num_reqs"], force_eager, mode, desc.num_tokens)
+        return mode, desc, False, None, None
+
+    def slot_mappings(self, num_tokens_padded, num_reqs_padded, num_tokens_unpadded, ubatch_slices=None):
+        calls["slot_mappings"] = (num_tokens_padded, num_tokens_unpadded)
+        out = {}
+        for g, table in enumerate(self.input_batch.block_table.block_tables):
+            out[g] = table.slot_mapping.gpu[:num_tokens_padded]
+            out[g][num_tokens_unpadded:num_tokens_padded] = -1
+        return out, {}
+
+    def build(self, **kw):
+        rows = kw["num_reqs_padded"] or kw["num_reqs"]
+        tables = self.input_batch.block_table.block_tables
+        calls["metadata"] = {**{k: kw[k] for k in ("num_tokens", "num_reqs", "num_tokens_padded", "num_reqs_padded")},
+                             "starts": self.query_start_loc.gpu[: rows + 1].tolist(),
+                             "seq_lens": self.seq_lens[:rows].tolist(),
+                             "host_seq_lens": self.optimistic_seq_lens_cpu[:rows].tolist(),
+                             "blocks": [t.block_table.gpu[:rows, 0].tolist() for t in tables],
+                             "slots": [t.slot_mapping.gpu[:rows].tolist() for t in tables]}
+        return {}, None
+
+    def forward(input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None):
+        hidden = model(input_ids=input_ids, positions=positions)
+        if runner.pcp_step.owned is None:  # (the layers of a split step write through the context)
+            return hidden
+        slots = runner.input_batch.block_table[0].slot_mapping.gpu[: input_ids.shape[0]]
+        for j, layer in enumerate(layers):
+            kv = _expected(input_ids, positions)[:, None, :] + j
+            write_kv_reference(kv, -kv, layer.kv_cache[0], layer.kv_cache[1], slots)
+        return hidden
+
+    GPUModelRunner._prepare_inputs = prepare
+    GPUModelRunner._determine_batch_execution_and_padding = dispatch
+    GPUModelRunner._get_slot_mappings = slot_mappings
+    GPUModelRunner._build_attention_metadata = lambda self, *a, **kw: build(self, **kw)
+    runner.model = forward
+    return runner
+
+
+def _spread_steps(rank, group):
+    """decode="spread" through the runner: a decode step of 5 requests (each rank runs its own as
+    vLLM's batch, through vLLM's FULL graph of that size), of 3 requests (at pcp=4 rank 3 owns none),
+    the 5 again without CUDA graphs, decode rows beside a split and a short prompt, a short prompt
+    alone, a hand-over."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import ForwardContext, override_forward_context
+
     from qwen36_pcp.decode_owners import DecodeOwners
 
-    dispatched, seen = [], []
-    model, modes = _model(rank, seen), []
-
-    def forward(**kw):  # also notes the graph mode the model ran under
-        context = get_forward_context()
-        modes.append((context.cudagraph_runtime_mode, context.batch_descriptor, kw["input_ids"].data_ptr()))
-        return model(**kw)
-
-    runner = _stand_in_runner(group, PCPConfig(decode="spread"), forward, dispatched)
-    _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
-    results = {}
+    seen, calls, results = [], {}, {}
+    runner = _spread_runner(group, rank, seen, calls)
+    layers = runner._attention_groups[0][1]
     decode = (["a", "b", "c", "d", "e"], [17, 40, 3000, 700, 9], [1] * 5, [17, 40, 3000, 700, 9])
+    decode3 = (["f", "g", "h"], [5, 6, 7], [1] * 3, [5, 6, 7])
     for name, req_ids, num_computed, num_new, num_prompt in (
-            ("decode", *decode),
+            ("decode", *decode), ("decode3", *decode3), ("decode_eager", *decode),
             ("mixed", ["c", "a", "e", "p", "q"], [3001, 18, 10, 0, 0], [1, 1, 1, 5000, 30], [3000, 17, 9, 5000, 30]),
             ("prompt", ["r"], [0], [30], [30]),
             # request a, decoded on one rank, comes back with three tokens of a grown prompt
-            ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40]),
-            ("decode_full_graphs_only", *decode), ("decode_kv_write_in_graphs", *decode)):
-        if name.startswith("decode_"):  # the decode step again, on a fresh engine of another config
+            ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40])):
+        _graphs(runner, CUDAGraphMode.NONE if name == "decode_eager" else CUDAGraphMode.FULL_AND_PIECEWISE)
+        if name in ("decode3", "decode_eager"):
             runner.decode_owners = DecodeOwners(group.world_size)
-            if name == "decode_full_graphs_only":
-                _graphs(runner, CUDAGraphMode.FULL_DECODE_ONLY)
-            else:
-                _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE, kv_write_split=False)
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
-                                             num_prompt_tokens=np.array(num_prompt))
+                                             num_prompt_tokens=np.array(num_prompt), block_table=_BlockTables())
         runner.requests = {r: SimpleNamespace(num_tokens=p) for r, p in zip(req_ids, num_prompt)}
-        runner.requests.update({r: SimpleNamespace(num_tokens=1) for r in "abcdepqr" if r not in req_ids})
+        runner.requests.update({r: SimpleNamespace(num_tokens=1) for r in "abcdefghpqr" if r not in req_ids})
+        for layer in layers:
+            layer.kv_cache.zero_()
+        calls.clear()
+        before = len(seen)
+        # execute_model's order: the inputs, the dispatch, the slots, the metadata, the model
         logits_indices, _ = runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
-        runner._determine_batch_execution_and_padding(0, 0, num_new, 0, False)
-        ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
-        pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
-        expected, original = _expected(ids, pos), ids.clone()
-        context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        mode, desc, *_ = runner._determine_batch_execution_and_padding(
+            num_tokens=int(num_new.sum()), num_reqs=len(num_new), num_scheduled_tokens_np=num_new,
+            max_num_scheduled_tokens=int(num_new.max()), use_cascade_attn=False)
+        rows = desc.num_tokens
+        runner._get_slot_mappings(num_tokens_padded=rows, num_reqs_padded=rows, num_tokens_unpadded=int(num_new.sum()))
+        runner._build_attention_metadata(num_tokens=int(num_new.sum()), num_reqs=len(num_new), max_query_len=1,
+                                         num_tokens_padded=rows, num_reqs_padded=rows)
+        ids, pos = runner.input_ids.gpu[:rows], runner.positions[:rows]
+        whole_ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
+        whole_pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
+        context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
+                                 cudagraph_runtime_mode=mode, batch_descriptor=desc)
         with override_forward_context(context):
             hidden = runner._model_forward(input_ids=ids, positions=pos)
         step = runner.pcp_step
         plan = step.plan
-        # the model read the rank's rows from the head of the whole batch's buffer (graph replay) or
-        # from a copy, and the head holds the rank's rows (padding: row 0)
-        mode, descriptor, read_from = modes[-1]
-        local = np.maximum(plan.local_full_idx[rank], 0) if plan is not None else None
-        in_place = None if plan is None else (read_from == ids.data_ptr()
-                                              and torch.equal(ids[:plan.t_pad], original[local]))
-        results[name] = {"hidden": hidden, "expected": expected, "rows": logits_indices.long(),
-                         "owner": None if plan is None else plan.owner.tolist(), "seen": seen[-1],
-                         "handovers": None if plan is None else plan.handovers,
-                         "t_pad": None if plan is None else plan.t_pad, "force_eager": dispatched[-1],
-                         "graph": step.graph, "mode": (mode, descriptor), "in_place": in_place,
-                         "mode_after": (context.cudagraph_runtime_mode, context.batch_descriptor)}
+        results[name] = {
+            "hidden": hidden, "expected": _expected(whole_ids, whole_pos), "rows": logits_indices.long(),
+            "owner": None if plan is None else plan.owner.tolist(), "owned": step.owned,
+            "handovers": None if plan is None else plan.handovers, "calls": dict(calls),
+            "seen": seen[before:], "mode": mode, "restored": _buffers(runner) == calls["prepared"],
+            "kv": [(layer.kv_cache[0].reshape(-1, HIDDEN).clone(), layer.kv_cache[1].reshape(-1, HIDDEN).clone())
+                   for layer in layers],
+            "whole": (whole_ids, whole_pos)}
         runner.pcp_step = None
     return results
+
+
+def _buffers(runner) -> list:
+    """The runner's metadata buffers, to compare before and after a step."""
+    tables = runner.input_batch.block_table.block_tables
+    return [runner.query_start_loc.np.tolist(), runner.query_start_loc.gpu.tolist(), runner.seq_lens.tolist(),
+            runner.optimistic_seq_lens_cpu.tolist(), *(t.block_table.gpu.tolist() for t in tables),
+            *(t.slot_mapping.gpu.tolist() for t in tables)]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -359,6 +470,7 @@ def test_spread_decode_steps_through_the_runner(world_size):
     from vllm.config import CUDAGraphMode
 
     ranks = run_distributed(_spread_steps, world_size)
+    computed = {"decode": [17, 40, 3000, 700, 9], "decode3": [5, 6, 7], "decode_eager": [17, 40, 3000, 700, 9]}
     for rank, results in enumerate(ranks):
         decode, mixed, prompt = (results[k] for k in ("decode", "mixed", "prompt"))
         # each decode row on one rank, balanced (5 rows: 3 + 2 at pcp=2, 2 + 1 + 1 + 1 at pcp=4)
@@ -368,29 +480,51 @@ def test_spread_decode_steps_through_the_runner(world_size):
         # the same owners at the next step, where the decode rows sit beside a split and a short prompt
         owner_of = dict(zip("abcde", decode["owner"]))
         assert mixed["owner"] == [owner_of["c"], owner_of["a"], owner_of["e"], -1, -1]
-        # the rank ran its rows only (the most any rank owns: 3 or 2, padded to a captured size: 4 or 2),
-        # without the whole batch's graphs (force_eager), through vLLM's PIECEWISE graph of that size:
-        # read from the head of the batch's buffers, where a replay reads, and the forward context put
-        # back after
-        graph = decode["graph"]
-        assert graph is not None and graph.num_tokens == (4 if world_size == 2 else 2)
-        assert decode["seen"] == (graph.num_tokens, True) and decode["t_pad"] == graph.num_tokens
-        assert decode["mode"] == (CUDAGraphMode.PIECEWISE, graph) and decode["in_place"]
-        assert decode["mode_after"] == (CUDAGraphMode.NONE, None)
-        assert decode["force_eager"] and mixed["force_eager"] and mixed["seen"][1]
-        # a mixed step has no local graph: eager, from copies of its rows
-        assert mixed["graph"] is None and mixed["mode"] == (CUDAGraphMode.NONE, None) and not mixed["in_place"]
-        # where vLLM captured FULL graphs only, or its K/V write is inside the PIECEWISE graphs, the
-        # decode step runs eagerly on its rows unpadded
-        for eager in (results["decode_full_graphs_only"], results["decode_kv_write_in_graphs"]):
-            assert eager["graph"] is None and eager["t_pad"] == -(-5 // world_size) and not eager["in_place"]
-            assert eager["owner"] == decode["owner"] and eager["mode"] == (CUDAGraphMode.NONE, None)
-        # every sampled row is its owner's, on every rank
-        for step in (decode, mixed, prompt, results["decode_full_graphs_only"], results["decode_kv_write_in_graphs"]):
-            rows = step["rows"]
-            assert torch.equal(step["hidden"][rows], step["expected"][rows]), rank
+        for name in ("decode", "decode3", "decode_eager"):
+            step = results[name]
+            owner, calls = np.array(step["owner"]), step["calls"]
+            mine = np.flatnonzero(owner == rank)  # in the plan's local order: by request
+            n = len(mine)
+            # the batch every rank runs: the most any rank owns, padded to a captured graph (3 -> 4,
+            # 2 -> 2, 1 -> 1), unpadded without graphs; dispatched as a decode batch of that size
+            most = int(np.bincount(owner, minlength=world_size).max())
+            rows = most if name == "decode_eager" else {1: 1, 2: 2, 3: 4}[most]
+            assert step["owned"].num_rows == rows and step["owned"].num_reqs == n
+            assert calls["dispatch"] == (rows, rows, False, step["mode"], rows)
+            assert step["mode"] == (CUDAGraphMode.NONE if name == "decode_eager" else CUDAGraphMode.FULL)
+            # vLLM's metadata of a batch of the rank's own requests, read at the buffers' heads
+            seq_lens = (np.array(computed[name]) + 1)[mine].tolist()
+            if n:
+                meta = calls["metadata"]
+                assert (meta["num_tokens"], meta["num_reqs"], meta["num_tokens_padded"], meta["num_reqs_padded"]) == (n, n, rows, rows)
+                assert meta["starts"] == [min(i, n) for i in range(rows + 1)]
+                assert meta["seq_lens"][:n] == seq_lens and meta["host_seq_lens"][:n] == seq_lens
+                assert not any(meta["seq_lens"][n:])
+                assert meta["blocks"] == [(mine * 10 + 100 * g).tolist() + meta["blocks"][g][n:] for g in range(2)]
+                assert meta["slots"][0] == (mine * 11 + 7).tolist() + [-1] * (rows - n)
+                assert calls["slot_mappings"] == (rows, n)
+                # the model ran once, on the rank's own rows at the heads, without a PCP context
+                (count, with_ctx), = step["seen"]
+                assert count == rows and not with_ctx
+            else:  # no request of its own: no metadata, no model
+                assert "metadata" not in calls or calls["metadata"] is None
+                assert step["seen"] == []
+            # the whole batch's buffers are back after the step
+            assert step["restored"]
+            # every sampled row is its owner's bits (the stand-in model adds its rank), on every rank
+            sampled = step["rows"]
+            assert torch.equal(step["hidden"][sampled], step["expected"][sampled] + torch.from_numpy(owner)[:, None].double()), (name, rank)
+            # every rank's caches hold every request's new K/V (its owner's, through the output gather)
+            ids, pos = step["whole"]
+            slots = torch.arange(len(ids)) * 11 + 7
+            for j, (k, v) in enumerate(step["kv"]):
+                assert torch.equal(k[slots], _expected(ids, pos) + j) and torch.equal(v[slots], -k[slots]), (name, rank, j)
+        assert results["decode3"]["owner"] == ([0, 1, 2] if world_size == 4 else [0, 1, 0])  # pcp=4: rank 3 none
+        # a mixed step splits as before: the layers get the step's PCP context, no owned batch
+        assert mixed["owned"] is None and mixed["calls"]["dispatch"][2] and all(c for _, c in mixed["seen"])
+        assert torch.equal(mixed["hidden"][mixed["rows"]], mixed["expected"][mixed["rows"]])
         # a step with neither decode rows nor a split stays whole
-        assert prompt["owner"] is None and not prompt["force_eager"] and prompt["seen"] == (30, False)
+        assert prompt["owner"] is None and not prompt["calls"]["dispatch"][2] and prompt["seen"] == [(30, False)]
         # a hand-over is planned (the GDN layers broadcast the owner's states first), nothing split
         handover = results["handover"]
         assert handover["owner"] == [-1, owner_of["b"]] and handover["handovers"] == [(0, owner_of["a"])]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -187,7 +186,6 @@ class PCPContext:
             raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
         self.t = StepTensors.build(plan, self.device)
         self._conv: dict[int, ConvIndex] = {}
-        self._owned_gdn: dict[int, tuple] = {}  # id of vLLM's metadata -> (it, its owned rows' cut)
         self.collectives: list[Collective] = []
         self.deferred_kv: list[DeferredKV] = []  # written by gather_output
 
@@ -299,13 +297,6 @@ class PCPContext:
         return out
 
     # ------------------------------------------------------------- per-step indices
-    def owned_decode_metadata(self, full):
-        """``owned_decode_metadata`` of vLLM's metadata object, once per step (the GDN layers share it)."""
-        key = id(full)
-        if key not in self._owned_gdn:
-            self._owned_gdn[key] = (full, owned_decode_metadata(self.plan, full, self.device))
-        return self._owned_gdn[key][1]
-
     @cached_property
     def sample_rows(self) -> SampleRowIndex:
         rows = self.plan.sample_rows()
@@ -353,23 +344,6 @@ class PCPContext:
             split_from_cache=self.to_device(plan.num_computed[plan.split_reqs] > 0, torch.bool),
             runs=runs,
         )
-
-
-def owned_decode_metadata(plan: PCPPlan, full, device) -> object | None:
-    """vLLM's GDN metadata of a decode step (``GDNAttentionMetadata``, one row per request, no drafts)
-    cut to the rows this rank owns, in its local order; None when it owns none."""
-    if full.num_prefills or full.spec_sequence_masks is not None:  # on every rank, before any returns
-        raise RuntimeError("qwen36_pcp: a spread decode step got prefill or draft rows in its GDN metadata")
-    reqs = [s.req for s in plan.local_segments]
-    n = len(reqs)
-    if n == 0:
-        return None
-    rows = to_device(np.asarray(reqs, dtype=np.int64), device)
-    return dataclasses.replace(
-        full, num_decodes=n, num_decode_tokens=n, num_actual_tokens=n,
-        non_spec_query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
-        non_spec_state_indices_tensor=full.non_spec_state_indices_tensor.index_select(0, rows),
-    )
 
 
 @contextlib.contextmanager

@@ -32,9 +32,7 @@ MAX_NARROW_OUTPUT = 1
 def _full_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     ctx = current_pcp_context()
     rows = x.shape[0]
-    # a spread decode step runs it unpadded: inside its local CUDA graph the op runs as captured
-    # (unpadded), so it does the same where the step runs eagerly
-    full = 0 if ctx is None or ctx.plan.decode_spread_only else ctx.num_tokens_padded
+    full = 0 if ctx is None else ctx.num_tokens_padded
     if rows >= full:
         return F.linear(x, weight, bias)
     padded = x.new_empty((full, *x.shape[1:]))  # the extra rows' outputs are dropped

@@ -1,5 +1,4 @@
-"""vLLM's FlashAttention impl with split-attention steps (every rank's new K/V written, end-aligned causal
-varlen attention).
+"""vLLM's FlashAttention impl with split-attention steps (K/V all-gather + end-aligned causal varlen).
 
 On steps without a PCP context (pcp == 1, decode-only steps, profiling) it is vLLM's impl unchanged.
 """
@@ -10,7 +9,7 @@ import torch
 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
 from .context import current_pcp_context
-from .split_attention import attend_local_flash, write_new_kv
+from .split_attention import attend_local_flash, gather_kv_for_cache
 
 
 class PCPFlashAttentionImpl(FlashAttentionImpl):
@@ -20,9 +19,8 @@ class PCPFlashAttentionImpl(FlashAttentionImpl):
         ctx = current_pcp_context()
         if ctx is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        write_new_kv(ctx, key, value, slot_mapping,
-                     lambda k, v, slots: super(PCPFlashAttentionImpl, self).do_kv_cache_update(
-                         layer, k, v, kv_cache, slots))
+        k_all, v_all, slots = gather_kv_for_cache(ctx, key, value, slot_mapping)
+        super().do_kv_cache_update(layer, k_all, v_all, kv_cache, slots)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:

@@ -43,8 +43,6 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         ctx = current_pcp_context()
         if ctx is None:
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
-        if ctx.plan.decode_spread_only:
-            return self._forward_owned_decode(ctx, mixed_qkv, b, a, core_attn_out)
         meta = get_forward_context().attn_metadata[self.prefix]
         state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
         if ctx.plan.handovers:
@@ -60,18 +58,3 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         conv_state = conv_state[..., : self.conv_kernel_size - 1]
         CORES[mode](ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(), conv_state,
                     self.kv_cache[1], state_idx)
-
-    def _forward_owned_decode(self, ctx, mixed_qkv, b, a, core_attn_out):
-        """A spread decode step: vLLM's own decode path (conv update, recurrent update: both row by
-        row, so each row gets pcp=1's bits) on this rank's rows, with the step's GDN metadata cut to
-        them (``PCPContext.owned_decode_metadata``). No collective: the states stay on the owner."""
-        forward_context = get_forward_context()
-        full = forward_context.attn_metadata[self.prefix]
-        local = ctx.owned_decode_metadata(full)
-        if local is None:  # this rank owns no row this step
-            return
-        forward_context.attn_metadata[self.prefix] = local
-        try:
-            super()._forward_core(mixed_qkv, b, a, core_attn_out)
-        finally:
-            forward_context.attn_metadata[self.prefix] = full

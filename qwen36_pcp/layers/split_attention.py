@@ -8,13 +8,10 @@ segment's tokens and whose keys are the request's first ``num_computed + segment
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import vllm.envs as envs
 from vllm.v1.attention.backends import flash_attn as fa
 
-from .context import DeferredKV, PCPContext
+from .context import PCPContext
 
 
 def gathered_slots(ctx: PCPContext, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -33,27 +30,6 @@ def gather_kv_for_cache(ctx: PCPContext, key: torch.Tensor, value: torch.Tensor,
     head_k = key.shape[-1]
     kv = ctx.all_gather(torch.cat([key, value], dim=-1))
     return kv[..., :head_k].contiguous(), kv[..., head_k:].contiguous(), gathered_slots(ctx, slot_mapping)
-
-
-def write_new_kv(ctx: PCPContext, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                 write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> None:
-    """This step's new K/V ([t_pad, kv_heads, d], this rank's rows) into every rank's cache through
-    ``write(k, v, slots)`` (the layer's cache write; slot -1: skipped).
-
-    At a split or mixed step the rows are all-gathered and written before the attention runs: a split
-    request's queries read the keys other ranks computed. At a spread decode step
-    (``decode_spread_only``) a rank's queries read only its own requests' keys, so it writes its own
-    rows now and the other ranks' rows reach it with the step's output gather
-    (``PCPContext.defer_kv``): one collective per step for every attention layer, not one per layer.
-    Every rank's cache is whole again once the step's output gather returns."""
-    if not ctx.plan.decode_spread_only:
-        write(*gather_kv_for_cache(ctx, key, value, slot_mapping))
-        return
-    slots = gathered_slots(ctx, slot_mapping).view(ctx.world_size, -1)
-    write(key, value, slots[ctx.rank])
-    others = slots.clone()
-    others[ctx.rank] = -1
-    ctx.defer_kv(DeferredKV(torch.cat([key, value], dim=-1), others.view(-1), write))
 
 
 def vseq_block_table(ctx: PCPContext, block_table: torch.Tensor) -> torch.Tensor:
@@ -75,13 +51,10 @@ def attend_local_flash(ctx: PCPContext, query, key_cache, value_cache, block_tab
     query row is reduced over its keys in the one order pcp=1 uses on a step of that size: bit for
     bit pcp=1's wherever pcp=1 does not split (its long steps). The cost is occupancy on split steps
     whose ranks hold few query tiles against long keys (small prefill chunks at large N).
-    A spread decode step leaves the count to flash-attention, as pcp=1's decode does: its rows meet
-    other batches than at pcp=1 anyway, and a decode row alone against a long context needs the
-    split keys to fill the GPU (unless vLLM's batch-invariant mode asks for one split everywhere).
     """
     t = ctx.t
     n = t.num_local_tokens
-    if t.num_segments == 0:  # a spread decode step where this rank owns no row
+    if t.num_segments == 0:  # a mixed step where this rank has no row
         output.zero_()
         return output
     fa.flash_attn_varlen_func(
@@ -98,7 +71,7 @@ def attend_local_flash(ctx: PCPContext, query, key_cache, value_cache, block_tab
         block_table=vseq_block_table(ctx, block_table),
         scheduler_metadata=None,
         fa_version=fa_version,
-        num_splits=0 if ctx.plan.decode_spread_only and not envs.VLLM_BATCH_INVARIANT else 1,
+        num_splits=1,
         **fa_kwargs,
     )
     if n < output.shape[0]:

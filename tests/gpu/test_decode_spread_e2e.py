@@ -10,8 +10,8 @@ rank against pcp=1 (whose decode every rank of ``decode="replicated"`` repeats):
 - ``preempt`` (eager, pcp = 2, 4): 32 requests of 1620 tokens in a KV cache of 19k tokens: each needs
   another block while it decodes, so vLLM preempts and recomputes requests decoding on one rank;
 - ``compiled`` (pcp = 2, 4, 8; vLLM's defaults: torch.compile and CUDA graphs): 24 requests of mixed
-  lengths; every rank's spread decode steps replay vLLM's PIECEWISE graphs of its local batch (each
-  rank records the kind of each step: ``step_kinds``), mixed steps run eagerly.
+  lengths; every rank's spread decode steps replay vLLM's FULL graph of a batch of its own requests
+  (each rank records the kind of each step: ``step_kinds``), mixed steps run split, eagerly.
 A case passes when vLLM's check_logprobs_close rule holds for every prompt with no NaN/Inf; bit for bit
 is not expected (a rank's decode batch is not pcp=1's: flash-attention's split count and the GEMMs'
 kernels follow the row count).
@@ -104,7 +104,7 @@ def test_spread_decode_matches_pcp1(engine_pool):
             if name == "compiled":
                 c["step_kinds"] = res["step_kinds"]
                 print(f"[spread] compiled pcp{pcp} step kinds per rank: {res['step_kinds']}")
-                # every rank ran spread decode steps through its local graph
-                assert len(res["step_kinds"]) == pcp and all(k.get("graph", 0) > 0 for k in res["step_kinds"])
+                # every rank ran its spread decode steps through vLLM's FULL graph of its own requests
+                assert len(res["step_kinds"]) == pcp and all(k.get("owned_full", 0) > 0 for k in res["step_kinds"])
     e2e.save("decode_spread_e2e", report)
     assert not failed, failed

@@ -1,0 +1,105 @@
+"""A spread decode step run as vLLM's own decode of the requests this rank owns.
+
+At a step of decode rows alone (``decode="spread"``, every row owned) each rank runs vLLM's decode
+path on its own requests as if they were the whole batch. Before vLLM builds the step's attention
+metadata, their values are written to the head of the runner's persistent buffers that metadata is
+built from (query starts, sequence lengths on the device and the host, every KV-cache group's
+block-table rows and slot mapping); vLLM's dispatcher then picks the CUDA graph of that batch (FULL
+where vLLM captured it: the whole forward one graph, which replays what it read at capture, those
+buffers' heads) and the layers run without a PCP context, as at pcp == 1: each GDN layer updates the
+owned requests' states, each attention layer writes their new K/V into this rank's cache. The heads are
+put back after the forward. The other ranks' caches get that K/V with the step's output gather
+(``defer_cached_kv``): one collective per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .layers.context import DeferredKV, PCPContext
+from .layers.split_attention import gathered_slots
+from .plan import PCPPlan
+
+
+@dataclass
+class OwnedBatch:
+    """This rank's requests at a spread decode step, as the batch its model call runs."""
+
+    reqs: np.ndarray  # [n] the owned requests' batch indices, in the plan's local order
+    tokens: np.ndarray  # [n] their rows (one new token each) in the whole batch
+    num_rows: int  # the batch every rank runs: the most any rank owns, padded to a graph size
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (head, original)
+    saved_query_start: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, plan: PCPPlan, num_rows: int) -> OwnedBatch:
+        local = plan.local_segments
+        return cls(np.array([s.req for s in local], dtype=np.int64),
+                   np.asarray(plan.local_full_idx[plan.rank][: len(local)], dtype=np.int64), int(num_rows))
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.reqs)
+
+    def _put(self, head: torch.Tensor, values: torch.Tensor) -> None:
+        self.saved.append((head, head.clone()))
+        head[: values.shape[0]].copy_(values)
+
+    def write_heads(self, runner) -> None:
+        """The owned requests' rows at the head of the runner's metadata buffers (``num_rows`` of
+        them; the rows past ``num_reqs`` are padding: vLLM's metadata build fills their block-table
+        rows with the null block, ``_get_slot_mappings`` their slots with -1)."""
+        n, rows = self.num_reqs, self.num_rows
+        device = runner.seq_lens.device
+        reqs = torch.from_numpy(self.reqs).to(device, non_blocking=True)
+        tokens = torch.from_numpy(self.tokens).to(device, non_blocking=True)
+        starts = runner.query_start_loc
+        self.saved_query_start = starts.np[: rows + 1].copy()
+        starts.np[: rows + 1] = np.minimum(np.arange(rows + 1), n)
+        starts.copy_to_gpu(rows + 1)
+        seq_lens = runner.seq_lens.index_select(0, reqs)
+        self._put(runner.seq_lens[:rows], torch.cat([seq_lens, seq_lens.new_zeros(rows - n)]))
+        host = runner.optimistic_seq_lens_cpu
+        host_lens = host[torch.from_numpy(self.reqs)]
+        self._put(host[:rows], torch.cat([host_lens, host_lens.new_zeros(rows - n)]))
+        for table in runner.input_batch.block_table.block_tables:
+            self._put(table.block_table.gpu[:rows], table.block_table.gpu.index_select(0, reqs))
+            self._put(table.slot_mapping.gpu[:rows], table.slot_mapping.gpu.index_select(0, tokens))
+
+    def restore(self, runner) -> None:
+        """The whole batch's values back where ``write_heads`` put the owned ones."""
+        for head, original in reversed(self.saved):
+            head.copy_(original)
+        self.saved.clear()
+        if self.saved_query_start is not None:
+            starts = runner.query_start_loc
+            starts.np[: len(self.saved_query_start)] = self.saved_query_start
+            starts.copy_to_gpu(len(self.saved_query_start))
+            self.saved_query_start = None
+
+
+def defer_cached_kv(ctx: PCPContext, layers: Iterable, slot_mapping: torch.Tensor) -> None:
+    """Each attention layer's new K/V of this rank's rows, read back from its cache (where the model
+    call wrote it), to be written into the other ranks' caches by the step's output gather.
+
+    ``layers``: vLLM ``Attention`` modules (their ``kv_cache``, [2, blocks, block_size, kv_heads,
+    head_dim] in any stride order, and their impl's ``do_kv_cache_update``); ``slot_mapping``: the
+    whole batch's (the same on every rank)."""
+    slots = gathered_slots(ctx, slot_mapping).view(ctx.world_size, -1)
+    mine = slots[ctx.rank].clamp(min=0)  # padding rows read slot 0; nobody writes them
+    others = slots.clone()
+    others[ctx.rank] = -1
+    others = others.view(-1)
+    for layer in layers:
+        key_cache, value_cache = layer.kv_cache.unbind(0)
+        block, offset = mine // key_cache.shape[1], mine % key_cache.shape[1]
+        kv = torch.cat([key_cache[block, offset], value_cache[block, offset]], dim=-1)
+
+        def write(k, v, slots, layer=layer):
+            layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slots)
+
+        ctx.defer_kv(DeferredKV(kv, others, write))
