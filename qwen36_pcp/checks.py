@@ -115,6 +115,10 @@ def spread_decode_problems(vllm_config, config: PCPConfig) -> list[str]:
     if vllm_config.cache_config.enable_prefix_caching:
         problems.append("decode='spread' together with prefix caching (hybrid prefix caching copies GDN "
                         "states on every rank): use decode='replicated' or --no-enable-prefix-caching")
+    if config.moe_experts == "sharded":
+        problems.append("decode='spread' together with moe_experts='sharded' (each rank decodes its own "
+                        "requests alone, but sharded experts need every rank in every MoE layer): use "
+                        "moe_experts='replicated' or decode='replicated'")
     return problems
 
 

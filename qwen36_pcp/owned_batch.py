@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ class OwnedBatch:
     tokens: np.ndarray  # [n] their rows (one new token each) in the whole batch
     num_rows: int  # the batch every rank runs: the most any rank owns, padded to a graph size
     saved: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (head, original)
-    saved_query_start: np.ndarray | None = None
+    query_start_cpu: torch.Tensor | None = None  # the owned batch's query starts on the host
 
     @classmethod
     def of(cls, plan: PCPPlan, num_rows: int) -> OwnedBatch:
@@ -57,10 +58,12 @@ class OwnedBatch:
         device = runner.seq_lens.device
         reqs = torch.from_numpy(self.reqs).to(device, non_blocking=True)
         tokens = torch.from_numpy(self.tokens).to(device, non_blocking=True)
-        starts = runner.query_start_loc
-        self.saved_query_start = starts.np[: rows + 1].copy()
-        starts.np[: rows + 1] = np.minimum(np.arange(rows + 1), n)
-        starts.copy_to_gpu(rows + 1)
+        # the host buffer of vLLM's query starts may still be read by its copy to the device (queued
+        # without blocking): the owned starts are written on the device, in stream order after that
+        # copy, and handed to the metadata build on the host as a tensor of their own
+        # (``query_starts``)
+        self.query_start_cpu = torch.from_numpy(np.minimum(np.arange(rows + 1), n).astype(np.int32))
+        self._put(runner.query_start_loc.gpu[: rows + 1], self.query_start_cpu.to(device))
         seq_lens = runner.seq_lens.index_select(0, reqs)
         self._put(runner.seq_lens[:rows], torch.cat([seq_lens, seq_lens.new_zeros(rows - n)]))
         host = runner.optimistic_seq_lens_cpu
@@ -70,16 +73,16 @@ class OwnedBatch:
             self._put(table.block_table.gpu[:rows], table.block_table.gpu.index_select(0, reqs))
             self._put(table.slot_mapping.gpu[:rows], table.slot_mapping.gpu.index_select(0, tokens))
 
-    def restore(self, runner) -> None:
+    def query_starts(self, buffer):
+        """vLLM's query-start buffer as the metadata build reads it: its device tensor (the owned
+        starts at its head) and the owned starts on the host."""
+        return SimpleNamespace(gpu=buffer.gpu, cpu=self.query_start_cpu, np=self.query_start_cpu.numpy())
+
+    def restore(self) -> None:
         """The whole batch's values back where ``write_heads`` put the owned ones."""
         for head, original in reversed(self.saved):
             head.copy_(original)
         self.saved.clear()
-        if self.saved_query_start is not None:
-            starts = runner.query_start_loc
-            starts.np[: len(self.saved_query_start)] = self.saved_query_start
-            starts.copy_to_gpu(len(self.saved_query_start))
-            self.saved_query_start = None
 
 
 def defer_cached_kv(ctx: PCPContext, layers: Iterable, slot_mapping: torch.Tensor) -> None:

@@ -179,7 +179,11 @@ class PCPModelRunner(GPUModelRunner):
         kwargs.update(num_tokens=owned.num_reqs, num_reqs=owned.num_reqs, num_tokens_padded=owned.num_rows,
                       num_reqs_padded=owned.num_rows, max_query_len=1, logits_indices=None,
                       cascade_attn_prefix_lens=None)
-        return super()._build_attention_metadata(**kwargs)
+        whole, self.query_start_loc = self.query_start_loc, owned.query_starts(self.query_start_loc)
+        try:
+            return super()._build_attention_metadata(**kwargs)
+        finally:
+            self.query_start_loc = whole
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         try:
@@ -236,7 +240,7 @@ class PCPModelRunner(GPUModelRunner):
                 hidden = torch.zeros(owned.num_rows, self.model_config.get_hidden_size(), dtype=self.dtype,
                                      device=self.device)
         finally:
-            owned.restore(self)
+            owned.restore()
         for gid, layers in self._attention_layers_by_group():
             defer_cached_kv(ctx, layers, self.input_batch.block_table[gid].slot_mapping.gpu[:num_tokens])
         return ctx.gather_output(hidden, all_rows=self._reads_every_row(False))

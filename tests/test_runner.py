@@ -370,6 +370,7 @@ def _spread_runner(group, rank, seen, calls):
         tables = self.input_batch.block_table.block_tables
         calls["metadata"] = {**{k: kw[k] for k in ("num_tokens", "num_reqs", "num_tokens_padded", "num_reqs_padded")},
                              "starts": self.query_start_loc.gpu[: rows + 1].tolist(),
+                             "host_starts": self.query_start_loc.cpu[: rows + 1].tolist(),
                              "seq_lens": self.seq_lens[:rows].tolist(),
                              "host_seq_lens": self.optimistic_seq_lens_cpu[:rows].tolist(),
                              "blocks": [t.block_table.gpu[:rows, 0].tolist() for t in tables],
@@ -497,7 +498,7 @@ def test_spread_decode_steps_through_the_runner(world_size):
             if n:
                 meta = calls["metadata"]
                 assert (meta["num_tokens"], meta["num_reqs"], meta["num_tokens_padded"], meta["num_reqs_padded"]) == (n, n, rows, rows)
-                assert meta["starts"] == [min(i, n) for i in range(rows + 1)]
+                assert meta["starts"] == meta["host_starts"] == [min(i, n) for i in range(rows + 1)]
                 assert meta["seq_lens"][:n] == seq_lens and meta["host_seq_lens"][:n] == seq_lens
                 assert not any(meta["seq_lens"][n:])
                 assert meta["blocks"] == [(mine * 10 + 100 * g).tolist() + meta["blocks"][g][n:] for g in range(2)]

@@ -75,6 +75,8 @@ def _configs(ckpt):
             "method": "mtp", "num_speculative_tokens": 1}),
         "spread_prefix_caching": dict(additional_config={"qwen36_pcp": {"decode": "spread"}},
                                       enable_prefix_caching=True),
+        "spread_sharded_experts": dict(additional_config={"qwen36_pcp": {"decode": "spread",
+                                                                          "moe_experts": "sharded"}}),
         "lora": dict(enable_lora=True),
         "ec_connector": dict(ec_transfer_config={"ec_connector": "ECExampleConnector", "ec_role": "ec_both"}),
         "kv_connector": dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
@@ -149,6 +151,7 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert out["mtp_experts_ratio"] == pytest.approx(9 / 8)  # the drafter's layer beside 8 MoE layers
     assert "decode='spread' together with speculative decoding" in out["errors"]["spread_mtp"]
     assert "decode='spread' together with prefix caching" in out["errors"]["spread_prefix_caching"]
+    assert "moe_experts='sharded'" in out["errors"]["spread_sharded_experts"]
     assert "non-hybrid" in out["errors"]["non_hybrid"]
     assert "ec_transfer_config" in out["errors"]["ec_connector"], out["errors"]["ec_connector"]
     assert "layuot" in out["errors"]["unknown_option"]
