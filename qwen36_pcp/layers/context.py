@@ -63,7 +63,7 @@ class Collective:
 
 @dataclass(frozen=True)
 class DeferredKV:
-    """One attention layer's new K/V at a spread decode step (``split_attention.write_new_kv``): this
+    """One attention layer's new K/V at a spread decode step (``owned_batch.defer_cached_kv``): this
     rank's rows are in its cache already; the other ranks' rows reach it with the step's output gather."""
 
     kv: torch.Tensor  # [t_pad, kv_heads, 2 x head_dim]: this rank's rows, K then V along the last axis

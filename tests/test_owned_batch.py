@@ -1,0 +1,66 @@
+"""A spread decode step's new K/V on 2 and 4 gloo ranks (``owned_batch.defer_cached_kv``): each rank's
+model call wrote its own rows into its caches; read back from there, every layer's rows of every rank
+reach every rank's caches with the output gather, in one collective beside the sampled rows."""
+
+import numpy as np
+import pytest
+import torch
+
+from harness.dist import run_distributed
+from qwen36_pcp.config import PCPConfig
+from qwen36_pcp.layers.context import PCPContext
+from qwen36_pcp.plan import PCPPlan
+
+from .layer_cases import kv_layout
+
+KVH, D, BS = 2, 16, 8
+
+
+def write_kv(k, v, cache, slots):
+    """vLLM's cache write (``reshape_and_cache_flash``) on a cache of any stride order; slot -1: skipped."""
+    keep = slots >= 0
+    block, offset = slots[keep] // BS, slots[keep] % BS
+    cache[0][block, offset] = k[keep]
+    cache[1][block, offset] = v[keep]
+
+
+def _step(rank, group, layers=3):
+    from types import SimpleNamespace
+
+    from qwen36_pcp.owned_batch import defer_cached_kv
+
+    num_computed, num_new = [40, 9, 3, 70, 12], [1] * 5
+    plan = PCPPlan(num_computed, num_new, group.world_size, rank, PCPConfig(decode="spread"),
+                   np.arange(5) % group.world_size, min_rows=4)
+    block_table, slot_mapping, num_blocks = kv_layout(num_computed, num_new, BS)
+    ctx = PCPContext(plan, group, "cpu", num_tokens_padded=plan.num_tokens + 3)
+    mine = torch.from_numpy(plan.local_full_idx[rank][: plan.num_local_tokens])
+    every = torch.arange(5)
+    kv_of = lambda layer, tok: (torch.arange(KVH * D, dtype=torch.float32).view(KVH, D) + 100 * layer  # noqa: E731
+                                + 1000 * tok.view(-1, 1, 1).float())
+    attention = []
+    for layer in range(layers):
+        # FlashAttention's cache: [2, blocks, block_size, heads, dim] as a view of another stride order
+        cache = torch.zeros(num_blocks, KVH, 2, BS, D).permute(2, 0, 3, 1, 4)
+        write_kv(kv_of(layer, mine), -kv_of(layer, mine), cache, slot_mapping[mine])  # the model call's
+        attention.append(SimpleNamespace(kv_cache=cache, impl=SimpleNamespace(
+            do_kv_cache_update=lambda lay, k, v, c, slots: write_kv(k, v, c, slots))))
+    defer_cached_kv(ctx, attention, slot_mapping)
+    rows = torch.from_numpy(plan.local_full_idx[rank]).clamp(min=0)
+    hidden = (rows.view(-1, 1) * 10 + torch.arange(8)).to(torch.bfloat16)
+    last = ctx.gather_output(hidden, all_rows=False)
+
+    def flat(c):
+        return c.reshape(-1, KVH, D)
+
+    return {"collectives": len(ctx.collectives),
+            "sampled": bool(torch.equal(last[every], (every.view(-1, 1) * 10 + torch.arange(8)).to(torch.bfloat16))),
+            "caches": [bool(torch.equal(flat(a.kv_cache[0])[slot_mapping], kv_of(j, every))
+                            and torch.equal(flat(a.kv_cache[1])[slot_mapping], -kv_of(j, every)))
+                       for j, a in enumerate(attention)]}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cached_kv_rides_in_the_output_gather(world_size):
+    for rank, out in enumerate(run_distributed(_step, world_size)):
+        assert out["collectives"] == 1 and out["sampled"] and all(out["caches"]), (rank, out)
