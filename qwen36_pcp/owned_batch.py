@@ -33,14 +33,15 @@ class OwnedBatch:
     reqs: np.ndarray  # [n] the owned requests' batch indices, in the plan's local order
     tokens: np.ndarray  # [n] their rows (one new token each) in the whole batch
     num_rows: int  # the batch every rank runs: the most any rank owns, padded to a graph size
+    eager: bool = False  # no graph: the padded batch would exceed the runner's request buffers
     saved: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (head, original)
     query_start_cpu: torch.Tensor | None = None  # the owned batch's query starts on the host
 
     @classmethod
-    def of(cls, plan: PCPPlan, num_rows: int) -> OwnedBatch:
+    def of(cls, plan: PCPPlan, num_rows: int, eager: bool = False) -> OwnedBatch:
         local = plan.local_segments
         return cls(np.array([s.req for s in local], dtype=np.int64),
-                   np.asarray(plan.local_full_idx[plan.rank][: len(local)], dtype=np.int64), int(num_rows))
+                   np.asarray(plan.local_full_idx[plan.rank][: len(local)], dtype=np.int64), int(num_rows), eager)
 
     @property
     def num_reqs(self) -> int:
@@ -56,14 +57,16 @@ class OwnedBatch:
         rows with the null block, ``_get_slot_mappings`` their slots with -1)."""
         n, rows = self.num_reqs, self.num_rows
         device = runner.seq_lens.device
-        reqs = torch.from_numpy(self.reqs).to(device, non_blocking=True)
-        tokens = torch.from_numpy(self.tokens).to(device, non_blocking=True)
+        # from pinned memory: a copy from pageable memory would wait for the GPU's queued work
+        reqs = _to_device(self.reqs, device)
+        tokens = _to_device(self.tokens, device)
         # the host buffer of vLLM's query starts may still be read by its copy to the device (queued
         # without blocking): the owned starts are written on the device, in stream order after that
         # copy, and handed to the metadata build on the host as a tensor of their own
         # (``query_starts``)
         self.query_start_cpu = torch.from_numpy(np.minimum(np.arange(rows + 1), n).astype(np.int32))
-        self._put(runner.query_start_loc.gpu[: rows + 1], self.query_start_cpu.to(device))
+        self._put(runner.query_start_loc.gpu[: rows + 1],
+                  torch.arange(rows + 1, dtype=torch.int32, device=device).clamp_(max=n))
         seq_lens = runner.seq_lens.index_select(0, reqs)
         self._put(runner.seq_lens[:rows], torch.cat([seq_lens, seq_lens.new_zeros(rows - n)]))
         host = runner.optimistic_seq_lens_cpu
@@ -83,6 +86,13 @@ class OwnedBatch:
         for head, original in reversed(self.saved):
             head.copy_(original)
         self.saved.clear()
+
+
+def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(x)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def defer_cached_kv(ctx: PCPContext, layers: Iterable, slot_mapping: torch.Tensor) -> None:

@@ -137,14 +137,17 @@ class PCPModelRunner(GPUModelRunner):
             return None, None
         rows = self._owned_rows(owner, num_new) if spread_decode_step(owner, num_new) else 0
         plan = PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config, owner,
-                       handover, min_rows=rows)
-        return plan, (OwnedBatch.of(plan, plan.t_pad) if rows else None)
+                       handover, min_rows=abs(rows))
+        return plan, (OwnedBatch.of(plan, plan.t_pad, eager=rows < 0) if rows else None)
 
     def _owned_rows(self, owner: np.ndarray, num_new: np.ndarray) -> int:
         """The batch size every rank runs at a spread decode step: the most requests any rank owns,
-        padded as vLLM's dispatcher pads a decode batch of that size (to its CUDA graph's size)."""
+        padded as vLLM's dispatcher pads a decode batch of that size (to its CUDA graph's size).
+        Negative (the unpadded size, run eagerly) where the padded size exceeds the runner's request
+        buffers: the capture sizes reach twice ``max_num_seqs``."""
         rows = int(np.bincount(owner, minlength=self.pcp_group.world_size).max())
-        return self.cudagraph_dispatcher.dispatch(rows, uniform_decode=True)[1].num_tokens
+        padded = self.cudagraph_dispatcher.dispatch(rows, uniform_decode=True)[1].num_tokens
+        return padded if padded <= self.max_num_reqs else -rows  # past the request buffers: eager
 
     def _determine_batch_execution_and_padding(self, *args, force_eager: bool = False, **kwargs):
         # vLLM dispatches the whole batch; a split step runs a local slice (through the compiled graph
@@ -155,7 +158,8 @@ class PCPModelRunner(GPUModelRunner):
             rows = step.owned.num_rows
             kwargs.update(num_tokens=rows, num_reqs=rows, num_scheduled_tokens_np=np.ones(rows, dtype=np.int32),
                           max_num_scheduled_tokens=1, use_cascade_attn=False)
-            return super()._determine_batch_execution_and_padding(force_eager=force_eager, **kwargs)
+            return super()._determine_batch_execution_and_padding(force_eager=force_eager or step.owned.eager,
+                                                                   **kwargs)
         split = step is not None and step.plan is not None
         return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager or split, **kwargs)
 

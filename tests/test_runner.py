@@ -329,6 +329,7 @@ def _spread_runner(group, rank, seen, calls):
     runner.seq_lens, runner.positions = torch.zeros(16, dtype=torch.int32), torch.zeros(8192, dtype=torch.int64)
     runner.optimistic_seq_lens_cpu = torch.zeros(16, dtype=torch.int32)
     runner.model_config, runner.dtype = SimpleNamespace(get_hidden_size=lambda: HIDDEN), torch.float64
+    runner.max_num_reqs = 16
     layers = [SimpleNamespace(kv_cache=torch.zeros(2, 16, 8, 1, HIDDEN, dtype=torch.float64), impl=SimpleNamespace(
         do_kv_cache_update=lambda lay, k, v, cache, slots: write_kv_reference(k, v, cache[0], cache[1], slots)))
         for _ in range(2)]
@@ -411,14 +412,16 @@ def _spread_steps(rank, group):
     decode = (["a", "b", "c", "d", "e"], [17, 40, 3000, 700, 9], [1] * 5, [17, 40, 3000, 700, 9])
     decode3 = (["f", "g", "h"], [5, 6, 7], [1] * 3, [5, 6, 7])
     for name, req_ids, num_computed, num_new, num_prompt in (
-            ("decode", *decode), ("decode3", *decode3), ("decode_eager", *decode),
+            ("decode", *decode), ("decode3", *decode3), ("decode_eager", *decode), ("decode_past_buffers", *decode),
             ("mixed", ["c", "a", "e", "p", "q"], [3001, 18, 10, 0, 0], [1, 1, 1, 5000, 30], [3000, 17, 9, 5000, 30]),
             ("prompt", ["r"], [0], [30], [30]),
             # request a, decoded on one rank, comes back with three tokens of a grown prompt
             ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40])):
         _graphs(runner, CUDAGraphMode.NONE if name == "decode_eager" else CUDAGraphMode.FULL_AND_PIECEWISE)
-        if name in ("decode3", "decode_eager"):
+        if name in ("decode3", "decode_eager", "decode_past_buffers"):
             runner.decode_owners = DecodeOwners(group.world_size)
+        # the padded batch (4 rows at pcp=2) past the request buffers: eager at its own size
+        runner.max_num_reqs = 3 if name == "decode_past_buffers" else 16
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
                                              num_prompt_tokens=np.array(num_prompt), block_table=_BlockTables())
@@ -471,7 +474,8 @@ def test_spread_decode_steps_through_the_runner(world_size):
     from vllm.config import CUDAGraphMode
 
     ranks = run_distributed(_spread_steps, world_size)
-    computed = {"decode": [17, 40, 3000, 700, 9], "decode3": [5, 6, 7], "decode_eager": [17, 40, 3000, 700, 9]}
+    computed = {"decode": [17, 40, 3000, 700, 9], "decode3": [5, 6, 7], "decode_eager": [17, 40, 3000, 700, 9],
+                "decode_past_buffers": [17, 40, 3000, 700, 9]}
     for rank, results in enumerate(ranks):
         decode, mixed, prompt = (results[k] for k in ("decode", "mixed", "prompt"))
         # each decode row on one rank, balanced (5 rows: 3 + 2 at pcp=2, 2 + 1 + 1 + 1 at pcp=4)
@@ -481,7 +485,7 @@ def test_spread_decode_steps_through_the_runner(world_size):
         # the same owners at the next step, where the decode rows sit beside a split and a short prompt
         owner_of = dict(zip("abcde", decode["owner"]))
         assert mixed["owner"] == [owner_of["c"], owner_of["a"], owner_of["e"], -1, -1]
-        for name in ("decode", "decode3", "decode_eager"):
+        for name in ("decode", "decode3", "decode_eager", "decode_past_buffers"):
             step = results[name]
             owner, calls = np.array(step["owner"]), step["calls"]
             mine = np.flatnonzero(owner == rank)  # in the plan's local order: by request
@@ -489,10 +493,11 @@ def test_spread_decode_steps_through_the_runner(world_size):
             # the batch every rank runs: the most any rank owns, padded to a captured graph (3 -> 4,
             # 2 -> 2, 1 -> 1), unpadded without graphs; dispatched as a decode batch of that size
             most = int(np.bincount(owner, minlength=world_size).max())
-            rows = most if name == "decode_eager" else {1: 1, 2: 2, 3: 4}[most]
+            eager = name == "decode_eager" or (name == "decode_past_buffers" and world_size == 2)
+            rows = most if eager else {1: 1, 2: 2, 3: 4}[most]
             assert step["owned"].num_rows == rows and step["owned"].num_reqs == n
-            assert calls["dispatch"] == (rows, rows, False, step["mode"], rows)
-            assert step["mode"] == (CUDAGraphMode.NONE if name == "decode_eager" else CUDAGraphMode.FULL)
+            assert calls["dispatch"] == (rows, rows, name == "decode_past_buffers" and eager, step["mode"], rows)
+            assert step["mode"] == (CUDAGraphMode.NONE if eager else CUDAGraphMode.FULL)
             # vLLM's metadata of a batch of the rank's own requests, read at the buffers' heads
             seq_lens = (np.array(computed[name]) + 1)[mine].tolist()
             if n:
