@@ -10,11 +10,14 @@ its **turn time**, is its own step on a GPU of its own, host included, collectiv
 
 Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: the whole batch),
 ``pcp2_spread``, ``pcp4_spread``. Each point: B requests of L context tokens decoding together, the
-mean over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). Predicted per
-rank on N GPUs: the slowest rank's turn time plus the step's collectives (``step_traffic`` of the
-spread plan, priced by ``predict_ttft``'s NVLink model). Each rank also records the kind of every step
-(``owned_full``: a spread decode step through vLLM's FULL graph of its own requests). Prints a table,
-writes JSON and a PNG:
+mean over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). A spread rank's
+turn holds its collective's copies through host memory, so it only bounds its step from above; each
+spread rank also times its host work beyond its model call (``spread_extra_ms``: the plan, the buffers'
+heads, the K/V read back, packed and written). Predicted per rank on N GPUs: pcp=1's step of the
+rank's ceil(B/N) requests (the same CUDA graph and kernels, measured) plus that extra plus the step's
+collective (``step_traffic`` of the spread plan, priced by ``predict_ttft``'s NVLink model). Each rank
+also records the kind of every step (``owned_full``: a spread decode step through vLLM's FULL graph of
+its own requests). Prints a table, writes JSON and a PNG:
 
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread            # one GPU, ~8 min
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread --report-only
@@ -24,7 +27,8 @@ writes JSON and a PNG:
 ``--profile`` also records 8 decode steps of 16 requests of 4k tokens under vLLM's torch profiler and
 reports per rank and step: the GPU's busy time against the span of its kernels (the rest: the GPU
 waiting for the host), and the host time of vLLM's custom ops (the attention, GDN and K/V-write ops
-that run between the graphs; ``CUDAGraph`` replays) by name.
+that run between the graphs; ``CUDAGraph`` replays) by name; then 8 more under cProfile in every worker
+(``profile_host``): the host's Python by function, per rank (``<config>_traces/host.rank<r>.txt``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,14 @@ DEFAULT_CONFIGS = ("pcp1", "pcp2_spread", "pcp4_spread")
 SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16)}
 STEPS, WARMUP = 24, 4
 PROFILE_POINT, PROFILE_STEPS = (4096, 16), 8
+HOST_PROFILE_TOP = 25
 MAX_PREFILL_STEPS = 400
+# functions timed in every rank of a spread config (``spread_extra_ms``)
+SPREAD_TIMED = {"plan": "qwen36_pcp.runner:PCPModelRunner._plan",
+                "heads": "qwen36_pcp.owned_batch:OwnedBatch.write_heads",
+                "owned": "qwen36_pcp.runner:PCPModelRunner._owned_forward",
+                "model": "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+                "collective": "harness.shared_gpu:HostStagedCommunicator.all_gather"}
 
 
 def engine_args(config: str) -> dict:
@@ -68,6 +79,7 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too."""
     from vllm import SamplingParams
 
+    from benchmarks.profile_host import read_timers, start_worker_profile, stop_worker_profile, time_functions
     from harness.shared_gpu import turn_seconds
 
     longest = max(sweep)
@@ -76,6 +88,8 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                             max_num_seqs=max(max(b) for b in sweep.values()),
                             max_model_len=longest + 2048, **engine_args(config), **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
+    if CONFIGS[config] > 1:
+        llm.collective_rpc(time_functions, args=(list(SPREAD_TIMED.values()),))
     out: dict = {"config": config}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
@@ -96,12 +110,15 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                 break
             for _ in range(WARMUP):
                 engine.step()
+            timers0 = llm.collective_rpc(read_timers)
             turns0, t0 = llm.collective_rpc(turn_seconds), time.perf_counter()
             for _ in range(STEPS):
                 engine.step()
             wall, turns1 = time.perf_counter() - t0, llm.collective_rpc(turn_seconds)
             point = {"turn_ms": [1e3 * (b - a) / STEPS for a, b in zip(turns0, turns1)],
                      "wall_ms": 1e3 * wall / STEPS}
+            if CONFIGS[config] > 1:
+                point["extra_ms"] = [spread_extra_ms(a, b) for a, b in zip(timers0, llm.collective_rpc(read_timers))]
             out[f"{context}/{batch}"] = point
             print(f"[{config}] L={context} B={batch}: turn {max(point['turn_ms']):.2f} ms per rank (max), "
                   f"wall {point['wall_ms']:.2f} ms", flush=True)
@@ -111,12 +128,26 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                 for _ in range(PROFILE_STEPS):
                     engine.step()
                 llm.stop_profile()
+                llm.collective_rpc(start_worker_profile)
+                for _ in range(PROFILE_STEPS):
+                    engine.step()
+                out["host_profile"] = llm.collective_rpc(stop_worker_profile,
+                                                         args=(f"{trace_dir}/host", PROFILE_STEPS))
         engine.abort_request(sorted(started))
         while engine.has_unfinished_requests():
             engine.step()
     if config == "pcp1":
         out["plan_ms"] = plan_host_ms()
     Path(path).write_text(json.dumps(out))
+
+
+def spread_extra_ms(before: dict, after: dict) -> float:
+    """A rank's host time per spread decode step beyond what its model call of the owned requests
+    costs at pcp == 1: the plan, the buffers' heads, and the forward's own work around vLLM's model
+    call (the K/V read back, the payload packed, the other ranks' K/V written), the collective itself
+    left out (it drains the GPU: the model's own time, counted in pcp=1's turn)."""
+    d = {k: after.get(v, 0.0) - before.get(v, 0.0) for k, v in SPREAD_TIMED.items()}
+    return 1e3 * (d["plan"] + d["heads"] + d["owned"] - d["model"] - d["collective"]) / STEPS
 
 
 def summarize_profile(trace_dir: str, top: int = 8) -> dict:
@@ -210,36 +241,48 @@ def kv_read_ms(rows: int, context: int, attention_layers: int = ATTENTION_LAYERS
 
 def step_model(fit: dict, rows: int, context: int) -> float:
     a, b = fit["coef"]
-    return a + b * rows + kv_read_ms(rows, context)
+    return a + b * rows + (kv_read_ms(rows, context) if fit["kv_reads"] else 0.0)
 
 
 def fit_step_model(rows: list[dict], ns: list[int]) -> dict:
-    """t = a + b x + K/V reads (x: the rows a rank computes; the reads priced at HBM speed, too small
-    to fit at these contexts), a and b fitted to the measured turn times by least squares, for
-    ``replicated`` (pcp=1's whole batch, x = B) and ``spread`` (every spread config, x = its graph's
-    rows). The point furthest off (relative) is left out when it is more than 50% off."""
+    """Two lines fitted by least squares to the measured points: ``replicated``, pcp=1's turn time
+    t = a + b B + K/V reads (the reads priced at HBM speed, too small to fit at these contexts), and
+    ``extra``, a spread rank's host time beyond its model call, t = a + b B (B: the whole batch, every
+    spread config's points). In each, the point furthest off (relative) is left out when it is more
+    than 50% off."""
     import numpy as np
 
     points = {"replicated": [(r["batch"], r["context"], r["replicated_ms"]) for r in rows if "replicated_ms" in r],
-              "spread": [(graph_rows(math.ceil(r["batch"] / n)), r["context"], r[f"spread{n}_turn_ms"])
-                         for r in rows for n in ns if f"spread{n}_turn_ms" in r]}
+              "extra": [(r["batch"], r["context"], r[f"spread{n}_extra_ms"])
+                        for r in rows for n in ns if f"spread{n}_extra_ms" in r]}
     fits = {}
     for name, pts in points.items():
         if len(pts) < 4:
             continue
+        kv_reads = name == "replicated"
         x, ctx, t = (np.array(v, dtype=float) for v in zip(*pts))
-        y = t - np.array([kv_read_ms(int(a), int(c)) for a, c in zip(x, ctx)])
-        keep, dropped = np.ones(len(x), dtype=bool), None
-        for _ in range(2):
-            design = np.stack([np.ones_like(x), x], axis=1)
+        y = t - np.array([kv_read_ms(int(a), int(c)) if kv_reads else 0.0 for a, c in zip(x, ctx)])
+        design = np.stack([np.ones_like(x), x], axis=1)
+
+        def fit(keep):
             coef = np.linalg.lstsq(design[keep], y[keep], rcond=None)[0]
-            err = np.abs(design @ coef - y) / t
-            worst = int(np.argmax(np.where(keep, err, -1)))
-            if dropped is not None or err[worst] <= 0.5:
-                break
-            keep[worst], dropped = False, pts[worst]
-        fits[name] = {"coef": [float(c) for c in coef], "worst": float(np.max(err[keep])), "dropped": dropped}
+            return coef, float(np.max((np.abs(design @ coef - y) / t)[keep]))
+
+        keep, dropped = np.ones(len(x), dtype=bool), None
+        coef, worst = fit(keep)
+        if worst > 0.5:  # the one point whose leaving out fits the others best
+            fits_without = [fit(np.arange(len(x)) != i) for i in range(len(x))]
+            i = min(range(len(x)), key=lambda i: fits_without[i][1])
+            keep[i], dropped = False, pts[i]
+            coef, worst = fits_without[i]
+        fits[name] = {"coef": [float(c) for c in coef], "worst": worst, "dropped": dropped, "kv_reads": kv_reads}
     return fits if len(fits) == 2 else {}
+
+
+def predicted_spread_ms(replicated: float, extra: float, n: int, batch: int) -> float:
+    """A spread rank's step on a GPU of its own: pcp=1's step of its ceil(B/n) requests (``replicated``,
+    the same graph and kernels), its extra host time and the step's collective on NVLink."""
+    return replicated + extra + collectives_ms(n, batch)
 
 
 def report(out: str) -> dict:
@@ -258,51 +301,79 @@ def report(out: str) -> dict:
         for n, d in spread.items():
             if key in d:
                 row[f"spread{n}_turn_ms"] = max(d[key]["turn_ms"])
-                row[f"spread{n}_fastest_ms"] = min(d[key]["turn_ms"])
-                row[f"spread{n}_ms"] = row[f"spread{n}_turn_ms"] + collectives_ms(n, batch)
+                if "extra_ms" in d[key]:
+                    row[f"spread{n}_extra_ms"] = max(d[key]["extra_ms"])
         rows.append(row)
     ns = sorted(spread)
+    fits = fit_step_model(rows, ns)
+    for r in rows:  # predicted from pcp=1 measured at the rank's own batch where there is that point
+        for n in ns:
+            if f"spread{n}_extra_ms" not in r:
+                continue
+            local = math.ceil(r["batch"] / n)
+            own = base.get(f"{r['context']}/{local}")
+            if own is not None and fits and fits["replicated"]["dropped"] == (local, r["context"],
+                                                                              own["turn_ms"][0]):
+                own = None  # the outlier the fit left out
+            if own is None and not fits:
+                continue
+            rep = own["turn_ms"][0] if own else step_model(fits["replicated"], local, r["context"])
+            r[f"spread{n}_ms"] = predicted_spread_ms(rep, r[f"spread{n}_extra_ms"], n, r["batch"])
 
     def ms(r, key, width):
         return f"{r[key]:{width}.2f}" if key in r else f"{'-':>{width}}"
+
+    dropped = fits["replicated"]["dropped"] if fits else None
+
+    def replicated(r):  # the ratios' reference: the fit's where the measured point is its outlier
+        if dropped == (r["batch"], r["context"], r.get("replicated_ms")):
+            return step_model(fits["replicated"], r["batch"], r["context"])
+        return r.get("replicated_ms")
+
+    def spread_cells(r, n):
+        pred = ms(r, f"spread{n}_ms", 9)
+        ratio = (f"({replicated(r) / r[f'spread{n}_ms']:4.2f}x)"
+                 if "replicated_ms" in r and f"spread{n}_ms" in r else " " * 7)
+        return f"{ms(r, f'spread{n}_turn_ms', 8)} {ms(r, f'spread{n}_extra_ms', 6)} {pred} {ratio}"
 
     with_piecewise = any("piecewise_ms" in r for r in rows)
     lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {LAYERS} layers, dummy weights, "
              "compiled with CUDA graphs, one H200, ranks taking turns",
              "replicated: pcp=1's step (measured turn time; every rank of a replicated decode runs it); "
              + ("piecewise: pcp=1 with vLLM's PIECEWISE graphs alone (measured); " if with_piecewise else "")
-             + "spreadN: the slowest rank's turn time (measured) + the step's collectives on NVLink (modelled); "
-             "(x) = replicated / spread. A spread rank's turn time is an upper bound of its step on a GPU of "
-             "its own: each collective drains the GPU and copies through host memory inside the turn "
-             "(see the fastest rank's turn time, a rank owning no row at B=1)",
+             + "spreadN turn: the slowest rank's turn time (measured; an upper bound of its step on a GPU of "
+             "its own: its collective drains the GPU and copies through host memory inside the turn); extra: "
+             "its host time beyond its model call (measured: plan, buffer heads, K/V read back, packed and "
+             "written; the collective left out); pred: predicted on N GPUs = pcp=1's step of its ceil(B/N) "
+             "requests (measured) + extra + the collective on NVLink (modelled); (x) = replicated / pred "
+             "(against the fit's replicated where the measured point is the outlier the fit left out)",
              f"{'context':>8} {'B':>3} {'replicated':>11} " + (f"{'piecewise':>10} " if with_piecewise else "")
-             + " ".join(f"{'spread' + str(n):>24} {'fastest':>7}" for n in ns)]
+             + " ".join(f"{'spread' + str(n) + ' turn':>13} {'extra':>6} {'pred':>9} {'':7}" for n in ns)]
     for r in rows:
-        cells = [(f"{r[f'spread{n}_ms']:14.2f} "
-                  + (f"({r['replicated_ms'] / r[f'spread{n}_ms']:4.2f}x)" if "replicated_ms" in r else " " * 7)
-                  + f"  {r[f'spread{n}_fastest_ms']:7.2f}")
-                 if f"spread{n}_ms" in r else f"{'-':>24} {'-':>7}" for n in ns]
         lines.append(f"{r['context']:>8} {r['batch']:>3} {ms(r, 'replicated_ms', 11)} "
-                     + (f"{ms(r, 'piecewise_ms', 10)} " if with_piecewise else "") + " ".join(cells))
-    fits = fit_step_model(rows, ns)
+                     + (f"{ms(r, 'piecewise_ms', 10)} " if with_piecewise else "")
+                     + " ".join(f"    {spread_cells(r, n)}" for n in ns))
     if fits:
-        lines += ["", "step-time model: t = a + b x + K/V reads (x: rows a rank computes, padded to its graph's "
-                  "size for spread; reads priced at 80% of HBM peak), a and b fitted to the turn times above: "
-                  + "; ".join(f"{k}: a={f['coef'][0]:.2f} ms, b={f['coef'][1]:.3f} ms/row, worst fit error "
-                              f"{100 * f['worst']:.0f}%" + (", left out (B or rows, L, ms) "
-                                                           f"({f['dropped'][0]}, {f['dropped'][1]}, "
-                                                           f"{f['dropped'][2]:.2f})" if f["dropped"] else "")
+        lines += ["", "step-time model, fitted to the measured points above: "
+                  + "; ".join(f"{k}: {f['coef'][0]:.2f} ms + {f['coef'][1]:.3f} ms x B"
+                              + (" + K/V reads (80% of HBM peak)" if f["kv_reads"] else "")
+                              + f", worst fit error {100 * f['worst']:.0f}%"
+                              + (f", left out (B, L, ms) ({f['dropped'][0]}, {f['dropped'][1]}, "
+                                 f"{f['dropped'][2]:.2f})" if f["dropped"] else "")
                               for k, f in fits.items()),
-                  f"predicted per rank ({LAYERS} layers, ms: model + collectives), replicated vs spread (x)",
+                  f"predicted per rank ({LAYERS} layers, ms): replicated = the model's pcp=1 step of B requests; "
+                  "spreadN = its step of ceil(B/N) requests + extra(B) + the collective on NVLink; (x) = "
+                  "replicated / spread",
                   f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>16}"
                                                                            for n in PREDICT_PCPS)]
         for context in PREDICT_CONTEXTS:
             for batch in PREDICT_BATCHES:
                 rep = step_model(fits["replicated"], batch, context)
+                extra = step_model(fits["extra"], batch, context)
                 cells = []
                 for n in PREDICT_PCPS:
-                    local = graph_rows(math.ceil(batch / n))
-                    spr = step_model(fits["spread"], local, context) + collectives_ms(n, batch)
+                    spr = predicted_spread_ms(step_model(fits["replicated"], math.ceil(batch / n), context),
+                                              extra, n, batch)
                     cells.append(f"{spr:8.2f} ({rep / spr:4.2f}x)")
                 lines.append(f"{context:>8} {batch:>3} {rep:11.2f} " + " ".join(cells))
     profiles = {c: d["profile"] for c, d in data.items() if d.get("profile")}
@@ -313,6 +384,11 @@ def report(out: str) -> dict:
             ops = ", ".join(f"{k} {v:.2f}" for k, v in p["host_ops_ms"].items())
             lines.append(f"  {label}: GPU busy {p['gpu_busy_ms']:.2f} of span {p['gpu_span_ms']:.2f}; "
                          f"host: {ops}")
+    for config, d in data.items():
+        for rank, funcs in enumerate(d.get("host_profile") or []):
+            top = list(funcs.items())[:HOST_PROFILE_TOP]
+            lines.append(f"host Python of {config} rank{rank} under cProfile, cumulative ms per step: "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in top))
     kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
     if kinds:
         lines.append("model forwards by kind, per rank (whole: unsplit; owned_<graph mode>: a spread decode "
@@ -340,7 +416,7 @@ def report(out: str) -> dict:
             ax.annotate("outlier (left out of the fit)", (dropped[0], dropped[2]), textcoords="offset points",
                         xytext=(8, -4), fontsize=8)
         log2_axes(ax, "requests decoding (B)", "decode step per rank (ms)",
-                  f"Decode step per rank, {LAYERS} layers (measured; spread: upper bound)")
+                  f"Decode step per rank, {LAYERS} layers (replicated: measured; spread: predicted from measured parts)")
 
     save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="lower left",
                 bbox_to_anchor=(0.0, 0.12), ncol=2)

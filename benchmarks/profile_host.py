@@ -10,20 +10,82 @@ the front end and the engine core (the first token's detokenization among them).
 shape cut to its first ``--layers`` layers (dummy weights, eager), which keeps GPU time small beside
 the host's. Per length: the wall time of ``generate`` (one token) and the functions with the most own
 and cumulative time; what grows with the prompt is the host's time per prompt token.
+
+``start_worker_profile`` / ``stop_worker_profile`` (``collective_rpc`` targets) profile a running
+engine's workers the same way, each rank into a file of its own (``bench_decode_spread --profile``);
+``time_functions`` / ``read_timers`` time named functions in every worker, cheaply enough to stay on
+for a whole sweep.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
+import importlib
 import io
 import json
 import os
 import pstats
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/
+
+_worker_profiler: cProfile.Profile | None = None
+_timers: dict[str, float] = {}
+
+
+def time_functions(worker, targets: list[str]) -> None:
+    """In a worker: from now on, add each call's host time (``perf_counter``, the GPU not waited for)
+    of every ``"module:Class.function"`` or ``"module:function"`` in ``targets`` to ``read_timers``."""
+    for target in targets:
+        module, qualname = target.split(":")
+        *path, name = qualname.split(".")
+        owner = functools.reduce(getattr, path, importlib.import_module(module))
+        fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        if getattr(fn, "timed_as", None):
+            continue
+
+        @functools.wraps(fn)
+        def timed(*args, _fn=fn, _key=target, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _timers[_key] = _timers.get(_key, 0.0) + time.perf_counter() - t0
+
+        timed.timed_as = target
+        setattr(owner, name, timed)
+
+
+def read_timers(worker=None) -> dict[str, float]:
+    """In a worker: the seconds each timed function has taken so far."""
+    return dict(_timers)
+
+
+def start_worker_profile(worker=None) -> None:
+    """In a worker: cProfile from now on (``collective_rpc`` target)."""
+    global _worker_profiler
+    _worker_profiler = cProfile.Profile()
+    _worker_profiler.enable()
+
+
+def stop_worker_profile(worker, prefix: str, steps: int, top: int = 40) -> dict:
+    """In a worker: stop the profile, write ``<prefix>.rank<r>.txt`` (functions by cumulative and own
+    time) and return {function: cumulative ms per step} of the ``top`` with the most."""
+    global _worker_profiler
+    profiler, _worker_profiler = _worker_profiler, None
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    rank = getattr(worker, "rank", 0)
+    Path(f"{prefix}.rank{rank}.txt").write_text(text.getvalue())
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:top]
+    return {f"{Path(f).name}:{line}({name})": 1e3 * cum / steps for (f, line, name), (_, _, _, cum, _) in rows}
 
 
 def main():

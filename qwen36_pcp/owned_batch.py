@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .layers.context import DeferredKV, PCPContext
+from .layers.context import DeferredKV, PCPContext, to_device
 from .layers.split_attention import gathered_slots
 from .plan import PCPPlan
 
@@ -57,9 +57,7 @@ class OwnedBatch:
         rows with the null block, ``_get_slot_mappings`` their slots with -1)."""
         n, rows = self.num_reqs, self.num_rows
         device = runner.seq_lens.device
-        # from pinned memory: a copy from pageable memory would wait for the GPU's queued work
-        reqs = _to_device(self.reqs, device)
-        tokens = _to_device(self.tokens, device)
+        reqs, tokens = to_device(self.reqs, device), to_device(self.tokens, device)
         # the host buffer of vLLM's query starts may still be read by its copy to the device (queued
         # without blocking): the owned starts are written on the device, in stream order after that
         # copy, and handed to the metadata build on the host as a tensor of their own
@@ -86,13 +84,6 @@ class OwnedBatch:
         for head, original in reversed(self.saved):
             head.copy_(original)
         self.saved.clear()
-
-
-def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
-    host = torch.from_numpy(x)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def defer_cached_kv(ctx: PCPContext, layers: Iterable, slot_mapping: torch.Tensor) -> None:

@@ -26,8 +26,15 @@ from ..plan import PCPPlan
 FORWARD_CONTEXT_KEY = "qwen36_pcp"
 
 
-def to_device(x: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype).to(device, non_blocking=True)
+def to_device(x: np.ndarray, device: torch.device | str, dtype=torch.int64) -> torch.Tensor:
+    """A host index on the device, in stream order, without the host waiting: from pinned memory on a
+    GPU (a copy from pageable memory waits for the GPU's queued work, so an index first needed after
+    the model call was launched, such as the output gather's, would hold the host until the model
+    finished)."""
+    host = torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @dataclass
