@@ -10,14 +10,13 @@ its **turn time**, is its own step on a GPU of its own, host included, collectiv
 
 Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: the whole batch),
 ``pcp2_spread``, ``pcp4_spread``. Each point: B requests of L context tokens decoding together, the
-mean over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). A spread rank's
-turn holds its collective's copies through host memory, so it only bounds its step from above; each
-spread rank also times its host work beyond its model call (``spread_extra_ms``: the plan, the buffers'
-heads, the K/V read back, packed and written). Predicted per rank on N GPUs: pcp=1's step of the
-rank's ceil(B/N) requests (the same CUDA graph and kernels, measured) plus that extra plus the step's
-collective (``step_traffic`` of the spread plan, priced by ``predict_ttft``'s NVLink model). Each rank
-also records the kind of every step (``owned_full``: a spread decode step through vLLM's FULL graph of
-its own requests). Prints a table, writes JSON and a PNG:
+median over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). A spread rank's
+turn holds its collective's copies through host memory, which NCCL between GPUs does not make; the
+shared GPU's communicator times them (``staging_seconds``: the GPU drained first, the wait for the
+other ranks left out). A spread rank's step on a GPU of its own: its turn time less those copies, plus
+the step's collective (``step_traffic`` of the spread plan, priced by ``predict_ttft``'s NVLink model).
+Each rank also records the kind of every step (``owned_full``: a spread decode step through vLLM's
+FULL graph of its own requests). Prints a table, writes JSON and a PNG:
 
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread            # one GPU, ~8 min
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread --report-only
@@ -56,13 +55,6 @@ STEPS, WARMUP = 24, 4
 PROFILE_POINT, PROFILE_STEPS = (4096, 16), 8
 HOST_PROFILE_TOP = 25
 MAX_PREFILL_STEPS = 400
-# functions timed in every rank of a spread config (``spread_extra_ms``)
-SPREAD_TIMED = {"plan": "qwen36_pcp.runner:PCPModelRunner._plan",
-                "heads": "qwen36_pcp.owned_batch:OwnedBatch.write_heads",
-                "owned": "qwen36_pcp.runner:PCPModelRunner._owned_forward",
-                "model": "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
-                "collective": "harness.shared_gpu:HostStagedCommunicator.all_gather"}
-
 
 def engine_args(config: str) -> dict:
     ranks = CONFIGS[config]
@@ -79,8 +71,8 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too."""
     from vllm import SamplingParams
 
-    from benchmarks.profile_host import read_timers, start_worker_profile, stop_worker_profile, time_functions
-    from harness.shared_gpu import turn_seconds
+    from benchmarks.profile_host import start_worker_profile, stop_worker_profile
+    from harness.shared_gpu import staging_seconds, turn_seconds
 
     longest = max(sweep)
     # bench_ttft's pcp1 engine, made this config's by engine_args (its pcp size, the shared GPU)
@@ -88,8 +80,6 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                             max_num_seqs=max(max(b) for b in sweep.values()),
                             max_model_len=longest + 2048, **engine_args(config), **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
-    if CONFIGS[config] > 1:
-        llm.collective_rpc(time_functions, args=(list(SPREAD_TIMED.values()),))
     out: dict = {"config": config}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
@@ -110,18 +100,14 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                 break
             for _ in range(WARMUP):
                 engine.step()
-            timers0 = llm.collective_rpc(read_timers)
-            turns0, t0 = llm.collective_rpc(turn_seconds), time.perf_counter()
+            marks = [(llm.collective_rpc(turn_seconds), llm.collective_rpc(staging_seconds))]
             for _ in range(STEPS):
                 engine.step()
-            wall, turns1 = time.perf_counter() - t0, llm.collective_rpc(turn_seconds)
-            point = {"turn_ms": [1e3 * (b - a) / STEPS for a, b in zip(turns0, turns1)],
-                     "wall_ms": 1e3 * wall / STEPS}
-            if CONFIGS[config] > 1:
-                point["extra_ms"] = [spread_extra_ms(a, b) for a, b in zip(timers0, llm.collective_rpc(read_timers))]
+                marks.append((llm.collective_rpc(turn_seconds), llm.collective_rpc(staging_seconds)))
+            point = per_step_medians(marks)
             out[f"{context}/{batch}"] = point
-            print(f"[{config}] L={context} B={batch}: turn {max(point['turn_ms']):.2f} ms per rank (max), "
-                  f"wall {point['wall_ms']:.2f} ms", flush=True)
+            print(f"[{config}] L={context} B={batch}: turn {max(point['turn_ms']):.2f} ms per rank (max of the "
+                  f"ranks' medians)", flush=True)
             Path(path).write_text(json.dumps(out))
             if trace_dir and (context, batch) == PROFILE_POINT:
                 llm.start_profile()
@@ -141,13 +127,20 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     Path(path).write_text(json.dumps(out))
 
 
-def spread_extra_ms(before: dict, after: dict) -> float:
-    """A rank's host time per spread decode step beyond what its model call of the owned requests
-    costs at pcp == 1: the plan, the buffers' heads, and the forward's own work around vLLM's model
-    call (the K/V read back, the payload packed, the other ranks' K/V written), the collective itself
-    left out (it drains the GPU: the model's own time, counted in pcp=1's turn)."""
-    d = {k: after.get(v, 0.0) - before.get(v, 0.0) for k, v in SPREAD_TIMED.items()}
-    return 1e3 * (d["plan"] + d["heads"] + d["owned"] - d["model"] - d["collective"]) / STEPS
+def per_step_medians(marks: list[tuple[list[float], list[float]]]) -> dict:
+    """Each rank's turn time and host-memory copies per step, the median over the steps (a one-off
+    stall, such as a kernel compiled on first use, does not move it), from the readings
+    ``[(turn_seconds per rank, staging_seconds per rank)]`` taken before the first step and after each."""
+    import statistics
+
+    def steps(k: int, rank: int) -> list[float]:
+        return [1e3 * (b[k][rank] - a[k][rank]) for a, b in zip(marks, marks[1:])]
+
+    ranks = range(len(marks[0][0]))
+    return {"turn_ms": [statistics.median(steps(0, r)) for r in ranks],
+            "own_ms": [statistics.median([t - c for t, c in zip(steps(0, r), steps(1, r))]) for r in ranks],
+            "staging_ms": [statistics.median(steps(1, r)) for r in ranks],
+            "turn_mean_ms": [statistics.fmean(steps(0, r)) for r in ranks]}
 
 
 def summarize_profile(trace_dir: str, top: int = 8) -> dict:
@@ -228,7 +221,7 @@ def collectives_ms(n: int, batch: int, attention_layers: int = ATTENTION_LAYERS)
                      for _, nbytes, _ in calls)
 
 
-PREDICT_PCPS, PREDICT_CONTEXTS, PREDICT_BATCHES = (2, 4, 8), (16384, 65536, 131072), (1, 8, 16, 64)
+PREDICT_CONTEXTS, PREDICT_BATCHES = (16384, 65536, 131072), (1, 8, 16, 64)
 # a decode row reads its context's K/V in every attention layer: 2 KV heads x 256 x (K, V) x bf16
 KV_BYTES_PER_TOKEN_LAYER = 2 * 256 * 2 * 2
 HBM_BYTES_PER_S = 0.8 * 4.8e12  # H200, 80% of peak
@@ -239,59 +232,48 @@ def kv_read_ms(rows: int, context: int, attention_layers: int = ATTENTION_LAYERS
     return 1e3 * rows * context * KV_BYTES_PER_TOKEN_LAYER * attention_layers / HBM_BYTES_PER_S
 
 
+def fit_line(pts: list[tuple[int, int, float]], kv_reads: bool) -> dict:
+    """t = a + b x (+ the K/V reads of x rows of context L at HBM speed, too small to fit at these
+    contexts) by least squares over the points (x, L, t). When the worst point is more than 50% off,
+    the one point whose leaving out fits the others best is left out (``dropped``)."""
+    import numpy as np
+
+    x, ctx, t = (np.array(v, dtype=float) for v in zip(*pts))
+    y = t - np.array([kv_read_ms(int(a), int(c)) if kv_reads else 0.0 for a, c in zip(x, ctx)])
+    design = np.stack([np.ones_like(x), x], axis=1)
+
+    def fit(keep):
+        coef = np.linalg.lstsq(design[keep], y[keep], rcond=None)[0]
+        return coef, float(np.max((np.abs(design @ coef - y) / np.abs(t))[keep]))
+
+    keep, dropped = np.ones(len(x), dtype=bool), None
+    coef, worst = fit(keep)
+    if worst > 0.5:
+        fits_without = [fit(np.arange(len(x)) != i) for i in range(len(x))]
+        i = min(range(len(x)), key=lambda i: fits_without[i][1])
+        dropped, (coef, worst) = pts[i], fits_without[i]
+    return {"coef": [float(c) for c in coef], "worst": worst, "dropped": dropped, "kv_reads": kv_reads}
+
+
 def step_model(fit: dict, rows: int, context: int) -> float:
     a, b = fit["coef"]
     return a + b * rows + (kv_read_ms(rows, context) if fit["kv_reads"] else 0.0)
 
 
-def fit_step_model(rows: list[dict], ns: list[int]) -> dict:
-    """Two lines fitted by least squares to the measured points: ``replicated``, pcp=1's turn time
-    t = a + b B + K/V reads (the reads priced at HBM speed, too small to fit at these contexts), and
-    ``extra``, a spread rank's host time beyond its model call, t = a + b B (B: the whole batch, every
-    spread config's points). In each, the point furthest off (relative) is left out when it is more
-    than 50% off."""
-    import numpy as np
-
-    points = {"replicated": [(r["batch"], r["context"], r["replicated_ms"]) for r in rows if "replicated_ms" in r],
-              "extra": [(r["batch"], r["context"], r[f"spread{n}_extra_ms"])
-                        for r in rows for n in ns if f"spread{n}_extra_ms" in r]}
-    fits = {}
-    for name, pts in points.items():
-        if len(pts) < 4:
-            continue
-        kv_reads = name == "replicated"
-        x, ctx, t = (np.array(v, dtype=float) for v in zip(*pts))
-        y = t - np.array([kv_read_ms(int(a), int(c)) if kv_reads else 0.0 for a, c in zip(x, ctx)])
-        design = np.stack([np.ones_like(x), x], axis=1)
-
-        def fit(keep):
-            coef = np.linalg.lstsq(design[keep], y[keep], rcond=None)[0]
-            return coef, float(np.max((np.abs(design @ coef - y) / t)[keep]))
-
-        keep, dropped = np.ones(len(x), dtype=bool), None
-        coef, worst = fit(keep)
-        if worst > 0.5:  # the one point whose leaving out fits the others best
-            fits_without = [fit(np.arange(len(x)) != i) for i in range(len(x))]
-            i = min(range(len(x)), key=lambda i: fits_without[i][1])
-            keep[i], dropped = False, pts[i]
-            coef, worst = fits_without[i]
-        fits[name] = {"coef": [float(c) for c in coef], "worst": worst, "dropped": dropped, "kv_reads": kv_reads}
-    return fits if len(fits) == 2 else {}
-
-
-def predicted_spread_ms(replicated: float, extra: float, n: int, batch: int) -> float:
-    """A spread rank's step on a GPU of its own: pcp=1's step of its ceil(B/n) requests (``replicated``,
-    the same graph and kernels), its extra host time and the step's collective on NVLink."""
-    return replicated + extra + collectives_ms(n, batch)
-
-
 def report(out: str) -> dict:
+    """The table (``table.txt``) and plot. Per point, replicated: pcp=1's turn time; spreadN: the slowest
+    rank's turn time less its collectives' copies through host memory (``staging_ms``; where a run has
+    none, the whole turn: an upper bound) plus the step's collective on NVLink. The step-time model:
+    ``replicated`` fitted to pcp=1 (x = B), and per N a spread rank's ``overhead`` (x = B) over pcp=1's
+    step of its ceil(B/N) requests; a spread step at a context not run is predicted as that pcp=1 step
+    (the fit, K/V reads included) plus the overhead plus the collective."""
     data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
             if (Path(out) / f"{c}.json").exists()}
     base, piecewise = data.get("pcp1", {}), data.get("pcp1_piecewise", {})
     spread = {CONFIGS[c]: d for c, d in data.items() if CONFIGS[c] > 1}
+    ns = sorted(spread)
     keys = sorted({k for d in data.values() for k in d if "/" in k}, key=lambda k: tuple(map(int, k.split("/"))))
-    rows = []
+    rows, staged = [], all("staging_ms" in d[k] for d in spread.values() for k in d if "/" in k)
     for key in keys:
         context, batch = map(int, key.split("/"))
         row = {"context": context, "batch": batch}
@@ -300,80 +282,77 @@ def report(out: str) -> dict:
                 row[name] = d[key]["turn_ms"][0]
         for n, d in spread.items():
             if key in d:
-                row[f"spread{n}_turn_ms"] = max(d[key]["turn_ms"])
-                if "extra_ms" in d[key]:
-                    row[f"spread{n}_extra_ms"] = max(d[key]["extra_ms"])
+                turns = d[key]["turn_ms"]
+                own = d[key].get("own_ms") or [t - c for t, c in zip(turns, d[key].get("staging_ms", [0.0] * len(turns)))]
+                row[f"spread{n}_turn_ms"] = max(turns)
+                row[f"spread{n}_ms"] = max(own) + collectives_ms(n, batch)
         rows.append(row)
-    ns = sorted(spread)
-    fits = fit_step_model(rows, ns)
-    for r in rows:  # predicted from pcp=1 measured at the rank's own batch where there is that point
-        for n in ns:
-            if f"spread{n}_extra_ms" not in r:
-                continue
-            local = math.ceil(r["batch"] / n)
-            own = base.get(f"{r['context']}/{local}")
-            if own is not None and fits and fits["replicated"]["dropped"] == (local, r["context"],
-                                                                              own["turn_ms"][0]):
-                own = None  # the outlier the fit left out
-            if own is None and not fits:
-                continue
-            rep = own["turn_ms"][0] if own else step_model(fits["replicated"], local, r["context"])
-            r[f"spread{n}_ms"] = predicted_spread_ms(rep, r[f"spread{n}_extra_ms"], n, r["batch"])
+    pts = [(r["batch"], r["context"], r["replicated_ms"]) for r in rows if "replicated_ms" in r]
+    replicated_fit = fit_line(pts, kv_reads=True) if len(pts) >= 4 else None
+
+    def replicated(batch, context):
+        """pcp=1's step of ``batch`` requests: measured, unless absent or the fit's outlier."""
+        t = base.get(f"{context}/{batch}", {}).get("turn_ms", [None])[0]
+        if replicated_fit is None or (t is not None and replicated_fit["dropped"] != (batch, context, t)):
+            return t
+        return step_model(replicated_fit, batch, context)
+
+    overhead_fits = {}
+    for n in ns:
+        pts = [(r["batch"], r["context"], r[f"spread{n}_ms"] - collectives_ms(n, r["batch"])
+                - replicated(math.ceil(r["batch"] / n), r["context"]))
+               for r in rows if f"spread{n}_ms" in r and replicated(math.ceil(r["batch"] / n), r["context"])]
+        if len(pts) >= 4:
+            overhead_fits[n] = fit_line(pts, kv_reads=False)
 
     def ms(r, key, width):
         return f"{r[key]:{width}.2f}" if key in r else f"{'-':>{width}}"
 
-    dropped = fits["replicated"]["dropped"] if fits else None
-
-    def replicated(r):  # the ratios' reference: the fit's where the measured point is its outlier
-        if dropped == (r["batch"], r["context"], r.get("replicated_ms")):
-            return step_model(fits["replicated"], r["batch"], r["context"])
-        return r.get("replicated_ms")
-
     def spread_cells(r, n):
-        pred = ms(r, f"spread{n}_ms", 9)
-        ratio = (f"({replicated(r) / r[f'spread{n}_ms']:4.2f}x)"
-                 if "replicated_ms" in r and f"spread{n}_ms" in r else " " * 7)
-        return f"{ms(r, f'spread{n}_turn_ms', 8)} {ms(r, f'spread{n}_extra_ms', 6)} {pred} {ratio}"
+        rep = replicated(r["batch"], r["context"])
+        ratio = (f"({rep / r[f'spread{n}_ms']:4.2f}x)" if rep and f"spread{n}_ms" in r else " " * 7)
+        return f"{ms(r, f'spread{n}_turn_ms', 8)} {ms(r, f'spread{n}_ms', 9)} {ratio}"
 
     with_piecewise = any("piecewise_ms" in r for r in rows)
+    own_step = ("its turn time less its collective's copies through host memory (measured) + the collective "
+                "on NVLink (modelled)" if staged else
+                "its turn time + the collective on NVLink (modelled): an upper bound, the turn holding the "
+                "collective's copies through host memory (this run did not time them)")
     lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {LAYERS} layers, dummy weights, "
              "compiled with CUDA graphs, one H200, ranks taking turns",
              "replicated: pcp=1's step (measured turn time; every rank of a replicated decode runs it); "
              + ("piecewise: pcp=1 with vLLM's PIECEWISE graphs alone (measured); " if with_piecewise else "")
-             + "spreadN turn: the slowest rank's turn time (measured; an upper bound of its step on a GPU of "
-             "its own: its collective drains the GPU and copies through host memory inside the turn); extra: "
-             "its host time beyond its model call (measured: plan, buffer heads, K/V read back, packed and "
-             "written; the collective left out); pred: predicted on N GPUs = pcp=1's step of its ceil(B/N) "
-             "requests (measured) + extra + the collective on NVLink (modelled); (x) = replicated / pred "
-             "(against the fit's replicated where the measured point is the outlier the fit left out)",
+             + f"spreadN turn: the slowest rank's turn time (measured); spreadN: its step on a GPU of its own = "
+             f"{own_step}; (x) = replicated / spreadN"
+             + (" (replicated from the fit where the measured point is the outlier it left out)"
+                if replicated_fit and replicated_fit["dropped"] else ""),
              f"{'context':>8} {'B':>3} {'replicated':>11} " + (f"{'piecewise':>10} " if with_piecewise else "")
-             + " ".join(f"{'spread' + str(n) + ' turn':>13} {'extra':>6} {'pred':>9} {'':7}" for n in ns)]
+             + " ".join(f"{'spread' + str(n) + ' turn':>13} {'spread' + str(n):>9} {'':7}" for n in ns)]
     for r in rows:
         lines.append(f"{r['context']:>8} {r['batch']:>3} {ms(r, 'replicated_ms', 11)} "
                      + (f"{ms(r, 'piecewise_ms', 10)} " if with_piecewise else "")
                      + " ".join(f"    {spread_cells(r, n)}" for n in ns))
-    if fits:
-        lines += ["", "step-time model, fitted to the measured points above: "
+    fits = {"replicated": replicated_fit, **{f"overhead{n}": f for n, f in overhead_fits.items()}}
+    if replicated_fit and overhead_fits:
+        lines += ["", "step-time model, fitted to the points above: "
                   + "; ".join(f"{k}: {f['coef'][0]:.2f} ms + {f['coef'][1]:.3f} ms x B"
                               + (" + K/V reads (80% of HBM peak)" if f["kv_reads"] else "")
                               + f", worst fit error {100 * f['worst']:.0f}%"
                               + (f", left out (B, L, ms) ({f['dropped'][0]}, {f['dropped'][1]}, "
                                  f"{f['dropped'][2]:.2f})" if f["dropped"] else "")
                               for k, f in fits.items()),
-                  f"predicted per rank ({LAYERS} layers, ms): replicated = the model's pcp=1 step of B requests; "
-                  "spreadN = its step of ceil(B/N) requests + extra(B) + the collective on NVLink; (x) = "
-                  "replicated / spread",
+                  f"predicted per rank ({LAYERS} layers, ms): replicated = pcp=1's step of B requests; spreadN = "
+                  "pcp=1's step of ceil(B/N) requests + overheadN(B) + the collective on NVLink"
+                  + ("" if staged else " (an upper bound, as above)") + "; (x) = replicated / spreadN",
                   f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>16}"
-                                                                           for n in PREDICT_PCPS)]
+                                                                           for n in overhead_fits)]
         for context in PREDICT_CONTEXTS:
             for batch in PREDICT_BATCHES:
-                rep = step_model(fits["replicated"], batch, context)
-                extra = step_model(fits["extra"], batch, context)
+                rep = step_model(replicated_fit, batch, context)
                 cells = []
-                for n in PREDICT_PCPS:
-                    spr = predicted_spread_ms(step_model(fits["replicated"], math.ceil(batch / n), context),
-                                              extra, n, batch)
+                for n, overhead in overhead_fits.items():
+                    spr = (step_model(replicated_fit, math.ceil(batch / n), context)
+                           + step_model(overhead, batch, context) + collectives_ms(n, batch))
                     cells.append(f"{spr:8.2f} ({rep / spr:4.2f}x)")
                 lines.append(f"{context:>8} {batch:>3} {rep:11.2f} " + " ".join(cells))
     profiles = {c: d["profile"] for c, d in data.items() if d.get("profile")}
@@ -411,16 +390,17 @@ def report(out: str) -> dict:
                 if have:
                     ax.plot([r["batch"] for r in have], [r[key] for r in have], style, color=color, marker="o",
                             label=f"{name}, {context // 1024}k context")
-        dropped = fits.get("replicated", {}).get("dropped") if fits else None
+        dropped = replicated_fit["dropped"] if replicated_fit else None
         if dropped:
             ax.annotate("outlier (left out of the fit)", (dropped[0], dropped[2]), textcoords="offset points",
                         xytext=(8, -4), fontsize=8)
         log2_axes(ax, "requests decoding (B)", "decode step per rank (ms)",
-                  f"Decode step per rank, {LAYERS} layers (replicated: measured; spread: predicted from measured parts)")
+                  f"Decode step per rank, {LAYERS} layers (measured; spread: "
+                  + ("less its host-memory copies, + NVLink)" if staged else "upper bound)"))
 
     save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="lower left",
                 bbox_to_anchor=(0.0, 0.12), ncol=2)
-    return {"rows": rows}
+    return {"rows": rows, "fits": fits}
 
 
 def child(config: str, model: str, out: str, sweep: dict, profile: bool = False) -> None:

@@ -12,57 +12,23 @@ the host's. Per length: the wall time of ``generate`` (one token) and the functi
 and cumulative time; what grows with the prompt is the host's time per prompt token.
 
 ``start_worker_profile`` / ``stop_worker_profile`` (``collective_rpc`` targets) profile a running
-engine's workers the same way, each rank into a file of its own (``bench_decode_spread --profile``);
-``time_functions`` / ``read_timers`` time named functions in every worker, cheaply enough to stay on
-for a whole sweep.
+engine's workers the same way, each rank into a file of its own (``bench_decode_spread --profile``).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
-import importlib
 import io
 import json
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/
 
 _worker_profiler: cProfile.Profile | None = None
-_timers: dict[str, float] = {}
-
-
-def time_functions(worker, targets: list[str]) -> None:
-    """In a worker: from now on, add each call's host time (``perf_counter``, the GPU not waited for)
-    of every ``"module:Class.function"`` or ``"module:function"`` in ``targets`` to ``read_timers``."""
-    for target in targets:
-        module, qualname = target.split(":")
-        *path, name = qualname.split(".")
-        owner = functools.reduce(getattr, path, importlib.import_module(module))
-        fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        if getattr(fn, "timed_as", None):
-            continue
-
-        @functools.wraps(fn)
-        def timed(*args, _fn=fn, _key=target, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                _timers[_key] = _timers.get(_key, 0.0) + time.perf_counter() - t0
-
-        timed.timed_as = target
-        setattr(owner, name, timed)
-
-
-def read_timers(worker=None) -> dict[str, float]:
-    """In a worker: the seconds each timed function has taken so far."""
-    return dict(_timers)
 
 
 def start_worker_profile(worker=None) -> None:

@@ -4,7 +4,6 @@ out), the graph sizes are vLLM's default capture sizes, and the report reads any
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -21,55 +20,60 @@ def test_graph_rows_are_vllms_capture_sizes():
 
 
 def test_fit_recovers_the_step_time_and_leaves_one_outlier_out():
-    rows = []
-    for context in (4096, 16384):
-        for batch in (1, 2, 4, 8, 16, 32, 64):
-            row = {"context": context, "batch": batch, "replicated_ms": _step(3.5, 0.05, batch, context)}
-            for n in (2, 4):
-                row[f"spread{n}_extra_ms"] = 0.8 + 0.01 * batch
-            rows.append(row)
-    rows[4]["replicated_ms"] = 18.6  # 4k, B=16
-    fits = bench.fit_step_model(rows, [2, 4])
-    assert fits["replicated"]["coef"] == pytest.approx([3.5, 0.05], rel=1e-6)
-    assert fits["extra"]["coef"] == pytest.approx([0.8, 0.01], rel=1e-6)
-    assert fits["replicated"]["dropped"] == (16, 4096, 18.6) and fits["extra"]["dropped"] is None
-    assert bench.step_model(fits["replicated"], 8, 131072) == pytest.approx(_step(3.5, 0.05, 8, 131072))
-    assert bench.step_model(fits["extra"], 8, 131072) == pytest.approx(0.88)
+    pts = [(b, c, _step(3.5, 0.05, b, c)) for c in (4096, 16384) for b in (1, 2, 4, 8, 16, 32, 64)]
+    pts[4] = (16, 4096, 18.6)  # far off, and pulling the line off the first point most
+    fit = bench.fit_line(pts, kv_reads=True)
+    assert fit["coef"] == pytest.approx([3.5, 0.05], rel=1e-6)
+    assert fit["dropped"] == (16, 4096, 18.6)
+    assert bench.step_model(fit, 8, 131072) == pytest.approx(_step(3.5, 0.05, 8, 131072))
+    flat = bench.fit_line([(b, 4096, 0.8 + 0.01 * b) for b in (1, 2, 4, 8)], kv_reads=False)
+    assert flat["coef"] == pytest.approx([0.8, 0.01]) and flat["dropped"] is None
+    assert bench.step_model(flat, 8, 131072) == pytest.approx(0.88)
 
 
-def test_report_predicts_spread_from_pcp1_at_the_ranks_own_batch(tmp_path):
-    (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "4096/1": {"turn_ms": [3.0]},
-                                                    "4096/2": {"turn_ms": [3.5]}}))
-    point = {"turn_ms": [12.0, 6.0], "extra_ms": [0.5, 0.75], "wall_ms": 20.0}
-    (tmp_path / "pcp2_spread.json").write_text(json.dumps({"config": "pcp2_spread", "4096/2": point}))
+def _write(tmp_path, config, points):
+    (tmp_path / f"{config}.json").write_text(json.dumps({"config": config, **points}))
+
+
+def test_spread_step_is_the_turn_less_its_host_memory_copies(tmp_path):
+    _write(tmp_path, "pcp1", {f"4096/{b}": {"turn_ms": [3.0 + 0.1 * b]} for b in (1, 2, 4, 8)})
+    _write(tmp_path, "pcp2_spread", {f"4096/{b}": {"turn_ms": [12.0, 6.0], "staging_ms": [9.5, 2.0]}
+                                     for b in (1, 2, 4, 8)})
+    out = bench.report(str(tmp_path))
+    row = out["rows"][1]
+    # the slowest rank on a GPU of its own is rank 1 (4.0 ms against rank 0's 2.5 ms)
+    assert row["spread2_turn_ms"] == 12.0
+    assert row["spread2_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 2))
+    # overhead over pcp=1's step of the rank's own ceil(B/2) requests: 4.0 - (3.0 + 0.1 * ceil(B/2))
+    assert bench.step_model(out["fits"]["overhead2"], 2, 4096) == pytest.approx(0.9, abs=0.06)
+    text = (tmp_path / "table.txt").read_text()
+    assert "less its collective's copies" in text and "upper bound" not in text
+
+
+def test_a_run_without_timed_copies_reports_an_upper_bound(tmp_path):
+    _write(tmp_path, "pcp2_spread", {"4096/1": {"turn_ms": [12.0, 6.0]}})
     rows = bench.report(str(tmp_path))["rows"]
-    assert rows[1] == {"context": 4096, "batch": 2, "replicated_ms": 3.5, "spread2_turn_ms": 12.0,
-                       "spread2_extra_ms": 0.75,
-                       "spread2_ms": pytest.approx(3.0 + 0.75 + bench.collectives_ms(2, 2))}
-    assert "pred" in (tmp_path / "table.txt").read_text()
+    assert rows == [{"context": 4096, "batch": 1, "spread2_turn_ms": 12.0,
+                     "spread2_ms": pytest.approx(12.0 + bench.collectives_ms(2, 1))}]
+    assert "upper bound" in (tmp_path / "table.txt").read_text()
 
 
-def test_spread_extra_is_the_forward_around_the_model_call_without_the_collective():
-    keys = bench.SPREAD_TIMED
-    before = {keys["plan"]: 1.0, keys["heads"]: 1.0, keys["owned"]: 1.0, keys["model"]: 1.0, keys["collective"]: 1.0}
-    after = {keys["plan"]: 1.024, keys["heads"]: 1.048, keys["owned"]: 2.0, keys["model"]: 1.24,
-             keys["collective"]: 1.48}
-    # per step: plan 1 ms + heads 2 ms + (forward 41.67 - model 10 - collective 20) ms
-    assert bench.spread_extra_ms(before, after) == pytest.approx(1e3 * (0.024 + 0.048 + 1.0 - 0.24 - 0.48) / 24)
+def test_per_step_medians_ignore_a_one_off_stall():
+    # two ranks, five steps: rank 0 turns of 4 ms (one of 400 ms: a kernel compiled on first use) with 1 ms
+    # of host-memory copies each, rank 1 turns of 6 ms with 3 ms of copies
+    turn0, turn1 = [4, 400, 4, 4, 4], [6] * 5
+    marks, t, c = [([0.0, 0.0], [0.0, 0.0])], [0.0, 0.0], [0.0, 0.0]
+    for a, b in zip(turn0, turn1):
+        t = [t[0] + a / 1e3, t[1] + b / 1e3]
+        c = [c[0] + 1e-3, c[1] + 3e-3]
+        marks.append((t, c))
+    point = bench.per_step_medians(marks)
+    assert point["turn_ms"] == pytest.approx([4, 6]) and point["staging_ms"] == pytest.approx([1, 3])
+    assert point["own_ms"] == pytest.approx([3, 3]) and point["turn_mean_ms"][0] == pytest.approx(83.2)
 
 
-def test_timed_functions_add_their_host_time(monkeypatch):
-    from benchmarks import profile_host
-
-    class Runner:
-        def step(self, x):
-            return x + 1
-
-    monkeypatch.setattr(profile_host, "_timers", {})
-    monkeypatch.setattr(sys.modules[__name__], "Runner", Runner, raising=False)
-    target = f"{__name__}:Runner.step"
-    profile_host.time_functions(None, [target])
-    profile_host.time_functions(None, [target])  # once only
-    assert Runner().step(1) == 2 and Runner().step(2) == 3
-    assert Runner.step.timed_as == target and Runner.step.__wrapped__.__name__ == "step"
-    assert 0 < profile_host.read_timers()[target] < 1
+def test_report_reads_each_ranks_own_step(tmp_path):
+    _write(tmp_path, "pcp2_spread", {"4096/1": {"turn_ms": [12.0, 6.0], "staging_ms": [9.0, 1.0],
+                                                "own_ms": [2.5, 4.5]}})
+    row = bench.report(str(tmp_path))["rows"][0]
+    assert row["spread2_ms"] == pytest.approx(4.5 + bench.collectives_ms(2, 1))

@@ -49,7 +49,10 @@ class Turns:
     fd: int | None = None
     held = False
     held_s = 0.0  # time this rank has held the GPU (``turn_seconds``)
+    staged_s = 0.0  # of it, in collectives' copies through host memory (``staging_seconds``)
     _since = 0.0
+    _paused_s = 0.0  # time spent in ``paused`` so far
+    _staging_depth = 0
 
     @classmethod
     def open(cls) -> None:
@@ -68,8 +71,7 @@ class Turns:
     @classmethod
     def give(cls) -> None:
         if cls.held:
-            if torch.cuda.is_initialized():
-                torch.cuda.synchronize()
+            _synchronize()
             cls.held_s += time.perf_counter() - cls._since
             fcntl.flock(cls.fd, fcntl.LOCK_UN)
             cls.held = False
@@ -89,19 +91,54 @@ class Turns:
     @contextlib.contextmanager
     def paused(cls):
         """Around a collective: the other ranks run until they reach it too."""
-        held = cls.held
+        held, t0 = cls.held, time.perf_counter()
         cls.give()
         try:
             yield
         finally:
             if held:
                 cls.take()
+            cls._paused_s += time.perf_counter() - t0
+
+    @classmethod
+    def staging(cls, collective):
+        """Around a collective of ``HostStagedCommunicator``: its copies through host memory (the
+        device-to-host and host-to-device copies, the host's concatenation or sum), which NCCL does not
+        make, are added to ``staged_s``. The GPU's queued work is drained first (the rank's own kernels,
+        part of its step on a GPU of its own) and the wait for the other ranks is left out."""
+
+        @functools.wraps(collective)
+        def staged(*args, **kwargs):
+            if cls._staging_depth:  # inside another collective (``gather`` is an all-gather)
+                return collective(*args, **kwargs)
+            _synchronize()
+            t0, paused0 = time.perf_counter(), cls._paused_s
+            cls._staging_depth += 1
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                cls._staging_depth -= 1
+                _synchronize()
+                cls.staged_s += time.perf_counter() - t0 - (cls._paused_s - paused0)
+
+        return staged
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def turn_seconds(worker=None) -> float:
     """The time this worker's rank has held the shared GPU so far (a ``collective_rpc`` target): its
     steps' own host and GPU time, as on a GPU of its own, without the time it waited in collectives."""
     return Turns.held_s
+
+
+def staging_seconds(worker=None) -> float:
+    """Of ``turn_seconds``, the time this worker's rank has spent copying its collectives through host
+    memory (``Turns.staging``): what NCCL between GPUs would not spend."""
+    return Turns.staged_s
 
 
 class HostStagedCommunicator(DeviceCommunicatorBase):
@@ -123,9 +160,11 @@ class HostStagedCommunicator(DeviceCommunicatorBase):
             dist.all_gather(parts, raw, group=self.cpu_group)
         return [p.view(x.dtype).reshape(x.shape) for p in parts]
 
+    @Turns.staging
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return torch.cat(self._gather_host(input_), dim=dim % input_.dim()).to(input_.device)
 
+    @Turns.staging
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         out = self.all_gather(input_, dim)
         return out if self.rank_in_group == dst else None
@@ -137,15 +176,18 @@ class HostStagedCommunicator(DeviceCommunicatorBase):
             dist.all_reduce(host, group=self.cpu_group)
         return host.to(x.dtype)
 
+    @Turns.staging
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         input_.copy_(self._sum_host(input_))
         return input_
 
+    @Turns.staging
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         summed = self._sum_host(input_)
         part = summed.chunk(self.world_size, dim=dim % input_.dim())[self.rank_in_group]
         return part.contiguous().to(input_.device)
 
+    @Turns.staging
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         raw = self._host(tensor)
         with Turns.paused():
@@ -153,12 +195,14 @@ class HostStagedCommunicator(DeviceCommunicatorBase):
         tensor.copy_(raw.view(tensor.dtype).reshape(tensor.shape))
         return tensor
 
+    @Turns.staging
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         dst = (self.rank_in_group + 1) % self.world_size if dst is None else dst
         raw = self._host(tensor)
         with Turns.paused():
             dist.send(raw, self.ranks[dst], group=self.cpu_group)
 
+    @Turns.staging
     def recv(self, size: torch.Size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         src = (self.rank_in_group - 1) % self.world_size if src is None else src
         raw = torch.empty(math.prod(size) * dtype.itemsize, dtype=torch.uint8)

@@ -54,7 +54,7 @@ class Varlen:
     @classmethod
     def of(cls, bounds: np.ndarray, device: torch.device) -> Varlen:
         cu_cpu = torch.from_numpy(np.ascontiguousarray(bounds, dtype=np.int32))
-        return cls(cu_cpu.to(device, non_blocking=True), cu_cpu)
+        return cls(to_device(cu_cpu.numpy(), device, torch.int32), cu_cpu)
 
 
 @dataclass(frozen=True)
