@@ -19,6 +19,7 @@ from functools import cached_property
 import numpy as np
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.utils.platform_utils import is_pin_memory_available
 
 from ..config import PCPConfig
 from ..plan import PCPPlan
@@ -32,7 +33,7 @@ def to_device(x: np.ndarray, device: torch.device | str, dtype=torch.int64) -> t
     the model call was launched, such as the output gather's, would hold the host until the model
     finished)."""
     host = torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype)
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and is_pin_memory_available():
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
