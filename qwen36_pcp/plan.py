@@ -186,16 +186,15 @@ class PCPPlan:
         self.primary = np.zeros((n, t), dtype=bool)
         self.seg_offsets = []  # per rank: local row where each segment starts (+ total)
         for r, segs in enumerate(self.segments):
-            row = 0
-            offs = []
-            for s in segs:
-                offs.append(row)
-                full = self.req_start[s.req] + np.arange(s.start, s.end)
-                self.local_full_idx[r, row : row + s.length] = full
-                self.primary[r, row : row + s.length] = s.block >= 0 or r == self.whole_rank[s.req]
-                row += s.length
-            offs.append(row)
-            self.seg_offsets.append(np.asarray(offs, dtype=np.int64))
+            req, start, end, block = np.array([(s.req, s.start, s.end, s.block) for s in segs],
+                                              dtype=np.int64).reshape(-1, 4).T
+            lens = end - start
+            offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            rows = int(offs[-1])
+            # each local row's full token: its segment's first, plus the row's place in the segment
+            self.local_full_idx[r, :rows] = np.repeat(self.req_start[req] + start - offs[:-1], lens) + np.arange(rows)
+            self.primary[r, :rows] = np.repeat((block >= 0) | (self.whole_rank[req] == r), lens)
+            self.seg_offsets.append(offs)
         # gathered row of the primary copy of every full token
         flat_full = self.local_full_idx.reshape(-1)
         flat_primary = self.primary.reshape(-1)
