@@ -20,6 +20,16 @@ def save_figure(path: str, draw, **legend) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    _to_palette(path)
+
+
+def _to_palette(path: str, colors: int = 64) -> None:
+    """The PNG with a palette of ``colors`` (a line plot has few): a summary stays a few tens of KiB."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colors=colors)
+    small.save(path, optimize=True)
 
 
 def log2_axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = False) -> None:
