@@ -262,7 +262,7 @@ def step_model(fit: dict, rows: int, context: int) -> float:
 
 def report(out: str) -> dict:
     """The table (``table.txt``) and plot. Per point, replicated: pcp=1's turn time; spreadN: the slowest
-    rank's turn time less its collectives' copies through host memory (``staging_ms``; where a run has
+    rank's turn time less its collectives' copies through host memory (``own_ms``; where a run has
     none, the whole turn: an upper bound) plus the step's collective on NVLink. The step-time model:
     ``replicated`` fitted to pcp=1 (x = B), and per N a spread rank's ``overhead`` (x = B) over pcp=1's
     step of its ceil(B/N) requests; a spread step at a context not run is predicted as that pcp=1 step
@@ -273,7 +273,7 @@ def report(out: str) -> dict:
     spread = {CONFIGS[c]: d for c, d in data.items() if CONFIGS[c] > 1}
     ns = sorted(spread)
     keys = sorted({k for d in data.values() for k in d if "/" in k}, key=lambda k: tuple(map(int, k.split("/"))))
-    rows, staged = [], all("staging_ms" in d[k] for d in spread.values() for k in d if "/" in k)
+    rows, staged = [], all("own_ms" in d[k] for d in spread.values() for k in d if "/" in k)
     for key in keys:
         context, batch = map(int, key.split("/"))
         row = {"context": context, "batch": batch}
@@ -283,7 +283,7 @@ def report(out: str) -> dict:
         for n, d in spread.items():
             if key in d:
                 turns = d[key]["turn_ms"]
-                own = d[key].get("own_ms") or [t - c for t, c in zip(turns, d[key].get("staging_ms", [0.0] * len(turns)))]
+                own = d[key].get("own_ms", turns)  # per rank: turn less copies (a run without them: turn)
                 row[f"spread{n}_turn_ms"] = max(turns)
                 row[f"spread{n}_ms"] = max(own) + collectives_ms(n, batch)
         rows.append(row)

@@ -37,8 +37,8 @@ def _write(tmp_path, config, points):
 
 def test_spread_step_is_the_turn_less_its_host_memory_copies(tmp_path):
     _write(tmp_path, "pcp1", {f"4096/{b}": {"turn_ms": [3.0 + 0.1 * b]} for b in (1, 2, 4, 8)})
-    _write(tmp_path, "pcp2_spread", {f"4096/{b}": {"turn_ms": [12.0, 6.0], "staging_ms": [9.5, 2.0]}
-                                     for b in (1, 2, 4, 8)})
+    _write(tmp_path, "pcp2_spread", {f"4096/{b}": {"turn_ms": [12.0, 6.0], "staging_ms": [9.5, 2.0],
+                                                  "own_ms": [2.5, 4.0]} for b in (1, 2, 4, 8)})
     out = bench.report(str(tmp_path))
     row = out["rows"][1]
     # the slowest rank on a GPU of its own is rank 1 (4.0 ms against rank 0's 2.5 ms)
