@@ -95,13 +95,16 @@ def defer_cached_kv(ctx: PCPContext, layers: Iterable, slot_mapping: torch.Tenso
     whole batch's (the same on every rank)."""
     slots = gathered_slots(ctx, slot_mapping).view(ctx.world_size, -1)
     mine = slots[ctx.rank].clamp(min=0)  # padding rows read slot 0; nobody writes them
-    others = slots.clone()
-    others[ctx.rank] = -1
-    others = others.view(-1)
+    others = torch.where(torch.arange(ctx.world_size, device=slots.device).view(-1, 1) == ctx.rank, -1,
+                         slots).view(-1)
+    where: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block size -> (block, offset) of ``mine``
     for layer in layers:
-        key_cache, value_cache = layer.kv_cache.unbind(0)
-        block, offset = mine // key_cache.shape[1], mine % key_cache.shape[1]
-        kv = torch.cat([key_cache[block, offset], value_cache[block, offset]], dim=-1)
+        block_size = layer.kv_cache.shape[2]
+        if block_size not in where:
+            where[block_size] = (mine // block_size, mine % block_size)
+        # [rows, 2, kv_heads, head_dim], one gather: K and V of a row side by side, so that after the
+        # output gather each is a [rows, kv_heads, head_dim] view the cache write reads as is
+        kv = layer.kv_cache.permute(1, 2, 0, 3, 4)[where[block_size]]
 
         def write(k, v, slots, layer=layer):
             layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slots)

@@ -17,7 +17,11 @@ KVH, D, BS = 2, 16, 8
 
 
 def write_kv(k, v, cache, slots):
-    """vLLM's cache write (``reshape_and_cache_flash``) on a cache of any stride order; slot -1: skipped."""
+    """vLLM's cache write (``reshape_and_cache_flash``) on a cache of any stride order; slot -1: skipped.
+    Its CUDA kernel reads token t's heads at ``t * stride(0) + i`` for i below heads x dim: any row
+    stride, each row's heads contiguous."""
+    for x in (k, v):
+        assert x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2], (x.shape, x.stride())
     keep = slots >= 0
     block, offset = slots[keep] // BS, slots[keep] % BS
     cache[0][block, offset] = k[keep]
