@@ -105,16 +105,14 @@ def warn_encoder_graphs(vllm_config, config: PCPConfig) -> None:
 
 def spread_decode_problems(vllm_config, config: PCPConfig) -> list[str]:
     """``decode="spread"`` keeps a decoding request's GDN states on its owner alone
-    (``decode_owners``): what would read them on every rank is refused."""
+    (``decode_owners``; with prefix caching the blocks it fills go to every rank: ``state_blocks``):
+    what would read them on every rank is refused."""
     if config.decode != "spread":
         return []
     problems = []
     if vllm_config.speculative_config is not None:
         problems.append("decode='spread' together with speculative decoding (verification rows read "
                         "GDN states on every rank): use decode='replicated'")
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append("decode='spread' together with prefix caching (hybrid prefix caching copies GDN "
-                        "states on every rank): use decode='replicated' or --no-enable-prefix-caching")
     if config.moe_experts == "sharded":
         problems.append("decode='spread' together with moe_experts='sharded' (each rank decodes its own "
                         "requests alone, but sharded experts need every rank in every MoE layer): use "

@@ -16,9 +16,11 @@ Where another rank could read a decoding request's state, and what happens there
 - a request with an owner that comes back with more than one new token past token 0 (its prompt grew:
   streaming input) is *handed over*: before that step its owner broadcasts its GDN states to every
   rank (``gdn_cp.hand_over_states``), then it is computed like any prompt;
-- hybrid prefix caching (``mamba_cache_mode="align"``) copies and caches states at block boundaries
-  on every rank: refused with ``decode="spread"`` at startup (``checks``), as is speculative decoding
-  (its verification rows read states at accepted-token offsets on every rank).
+- hybrid prefix caching (``mamba_cache_mode="align"``) keeps states block by block on every rank,
+  and a later request hitting the prefix reads a full block's state on every rank: after the step in
+  which an owned row fills its block, the owner broadcasts that block's states (``state_blocks``);
+- speculative decoding is refused with ``decode="spread"`` at startup (``checks``): its verification
+  rows read states at accepted-token offsets on every rank.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
 from vllm.distributed import get_pcp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.v1.worker import mamba_utils
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .config import PCPConfig, pcp_config_of
@@ -39,6 +40,7 @@ from .layers.context import PCPContext, running_step
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .owned_batch import OwnedBatch, defer_cached_kv
 from .plan import PCPPlan, spread_decode_step
+from .state_blocks import share_completed_state_blocks
 
 
 @contextlib.contextmanager
@@ -216,7 +218,9 @@ class PCPModelRunner(GPUModelRunner):
                                             intermediate_tensors, local_rows(inputs_embeds, idx, 0), **model_kwargs)
         split_drafter = self._split_drafter_enabled()
         self.draft_ctx = ctx if split_drafter else None
-        return ctx.gather_output(hidden, all_rows=self._reads_every_row(split_drafter), keep_local=split_drafter)
+        out = ctx.gather_output(hidden, all_rows=self._reads_every_row(split_drafter), keep_local=split_drafter)
+        self._share_filled_state_blocks(step.plan)
+        return out
 
     def _owned_forward(self, step: PCPStep, input_ids, positions, intermediate_tensors, inputs_embeds,
                        **model_kwargs):
@@ -247,7 +251,26 @@ class PCPModelRunner(GPUModelRunner):
             owned.restore()
         for gid, layers in self._attention_layers_by_group():
             defer_cached_kv(ctx, layers, self.input_batch.block_table[gid].slot_mapping.gpu[:num_tokens])
-        return ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
+        out = ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
+        self._share_filled_state_blocks(plan)
+        return out
+
+    def _share_filled_state_blocks(self, plan: PCPPlan) -> None:
+        """With prefix caching (vLLM's ``mamba_cache_mode="align"``): the GDN states of the blocks this
+        step's owned decode rows filled, from their owners to every rank (``state_blocks``)."""
+        if self.decode_owners is None or self.cache_config.mamba_cache_mode != "align" or (plan.owner < 0).all():
+            return
+        if not hasattr(self, "_state_groups"):
+            group_ids, spec = mamba_utils.get_mamba_groups(self.kv_cache_config)
+            layers = self.compilation_config.static_forward_context
+            caches = [[state for name in self.kv_cache_config.kv_cache_groups[g].layer_names
+                       for state in layers[name].kv_cache] for g in group_ids]
+            self._state_groups = group_ids, spec.block_size, caches
+        group_ids, block_size, caches = self._state_groups
+        req_ids = self.input_batch.req_ids
+        share_completed_state_blocks(
+            self.pcp_group, plan.owner, plan.num_computed + plan.num_new, block_size,
+            lambda i: [self.requests[req_ids[i]].block_ids[g] for g in group_ids], caches)
 
     def _attention_layers_by_group(self) -> list[tuple[int, list[Attention]]]:
         """The model's attention layers per KV-cache group (the MTP drafter's left out), once."""

@@ -427,6 +427,14 @@ def _spread_steps(rank, group):
                                              num_prompt_tokens=np.array(num_prompt), block_table=_BlockTables())
         runner.requests = {r: SimpleNamespace(num_tokens=p) for r, p in zip(req_ids, num_prompt)}
         runner.requests.update({r: SimpleNamespace(num_tokens=1) for r in "abcdefghpqr" if r not in req_ids})
+        # prefix caching at two steps: GDN states block by block (blocks of STATE_BLOCK tokens), each
+        # rank's its own values; request j's blocks in state group 1 from j * 4000 on
+        align = name in ("decode", "mixed")
+        runner.cache_config = SimpleNamespace(mamba_cache_mode="align" if align else "none")
+        states = _states(rank)
+        runner._state_groups = ([1], STATE_BLOCK, [states])
+        for j, r in enumerate(req_ids):
+            runner.requests[r].block_ids = ([], list(range(j * 4000, j * 4000 + 2000)))
         for layer in layers:
             layer.kv_cache.zero_()
         calls.clear()
@@ -456,9 +464,18 @@ def _spread_steps(rank, group):
             "seen": seen[before:], "mode": mode, "restored": _buffers(runner) == calls["prepared"],
             "kv": [(layer.kv_cache[0].reshape(-1, HIDDEN).clone(), layer.kv_cache[1].reshape(-1, HIDDEN).clone())
                    for layer in layers],
-            "whole": (whole_ids, whole_pos)}
+            "whole": (whole_ids, whole_pos), "states": [x.clone() for x in states]}
         runner.pcp_step = None
     return results
+
+
+STATE_BLOCK = 2
+
+
+def _states(rank):
+    """A GDN layer's conv and SSM states in the blocks' slots, a rank's own values."""
+    return [torch.arange(20000 * 3, dtype=torch.bfloat16).view(20000, 3) + 100 * rank,
+            torch.arange(20000 * 4, dtype=torch.float32).view(20000, 2, 2) + 1000 * rank]
 
 
 def _buffers(runner) -> list:
@@ -535,6 +552,16 @@ def test_spread_decode_steps_through_the_runner(world_size):
         handover = results["handover"]
         assert handover["owner"] == [-1, owner_of["b"]] and handover["handovers"] == [(0, owner_of["a"])]
         assert torch.equal(handover["hidden"][handover["rows"]], handover["expected"][handover["rows"]])
+        # with prefix caching, the blocks owned rows fill (after the step: a 18 and e 10 tokens, c 3002
+        # beside a split) hold their owner's states on every rank; every other slot this rank's own
+        for name, filled in (("decode", {"a": (0, 18), "e": (4, 10)}), ("mixed", {"c": (0, 3002)}),
+                             ("decode3", {})):
+            expected = _states(rank)
+            for r, (j, tokens) in filled.items():
+                slot = j * 4000 + tokens // STATE_BLOCK - 1
+                for e, src in zip(expected, _states(owner_of.get(r, 0))):
+                    e[slot] = src[slot]
+            assert all(torch.equal(x, e) for x, e in zip(results[name]["states"], expected)), (name, rank)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

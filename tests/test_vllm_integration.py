@@ -73,8 +73,6 @@ def _configs(ckpt):
             "layer_types": ["full_attention"] * 8}}),
         "spread_mtp": dict(additional_config={"qwen36_pcp": {"decode": "spread"}}, speculative_config={
             "method": "mtp", "num_speculative_tokens": 1}),
-        "spread_prefix_caching": dict(additional_config={"qwen36_pcp": {"decode": "spread"}},
-                                      enable_prefix_caching=True),
         "spread_sharded_experts": dict(additional_config={"qwen36_pcp": {"decode": "spread",
                                                                           "moe_experts": "sharded"}}),
         "lora": dict(enable_lora=True),
@@ -94,6 +92,10 @@ def _configs(ckpt):
     out["errors"] = {name: error_of(**kw) for name, kw in bad.items()}
     # the same options are fine at pcp == 1 (nothing of ours applies)
     engine_config(ckpt, hf_overrides=OVERRIDES, attention_backend="TRITON_ATTN")
+    # decode="spread" with prefix caching: vLLM's GDN states block by block (state_blocks)
+    out["spread_prefix_caching"] = engine_config(
+        ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2, enable_prefix_caching=True,
+        additional_config={"qwen36_pcp": {"decode": "spread"}}).cache_config.mamba_cache_mode
     # the checkpoint's own MTP head is served at pcp > 1 (vLLM's Qwen3.5 MTP drafter)
     mtp = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
                         speculative_config={"method": "mtp", "num_speculative_tokens": 3})
@@ -150,7 +152,7 @@ def test_config_resolution_and_startup_errors(tiny_ckpt):
     assert out["mtp"] == ("mtp", "Qwen3_5MoeMTP", "qwen36_pcp.worker.PCPWorker")
     assert out["mtp_experts_ratio"] == pytest.approx(9 / 8)  # the drafter's layer beside 8 MoE layers
     assert "decode='spread' together with speculative decoding" in out["errors"]["spread_mtp"]
-    assert "decode='spread' together with prefix caching" in out["errors"]["spread_prefix_caching"]
+    assert out["spread_prefix_caching"] == "align"
     assert "moe_experts='sharded'" in out["errors"]["spread_sharded_experts"]
     assert "non-hybrid" in out["errors"]["non_hybrid"]
     assert "ec_transfer_config" in out["errors"]["ec_connector"], out["errors"]["ec_connector"]

@@ -231,9 +231,34 @@ def _seeded_sampling(llm, spec):
     return [list(r.outputs[0].token_ids) for r in res]
 
 
+def _answer_prefix_hits(llm, spec):
+    """Prefix hits on blocks that decoding filled: prompts ``spec["answer_prefix_short"]`` tokens short
+    of a block (of the engine's block size) decode ``spec["answer_prefix_decode"]`` tokens, so decoding
+    fills their first block; then each prompt with the first ``spec["answer_prefix_keep"]`` tokens of
+    its answer and 8 more asks again (the hit covers the filled block), and once more after the prefix
+    cache is reset (no hit). The answers, both follow-ups' outputs and their cached token counts."""
+    from vllm import SamplingParams
+
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = prompt_ids([block - spec["answer_prefix_short"]] * spec["answer_prefix_count"], spec["vocab"],
+                         seed=31)
+    greedy = dict(temperature=0.0, logprobs=spec.get("logprobs", 5))
+    first = llm.generate([engine_prompt(p) for p in prompts],
+                         SamplingParams(max_tokens=spec["answer_prefix_decode"], **greedy), use_tqdm=False)
+    extra = prompt_ids([8], spec["vocab"], seed=32)[0]
+    follow = [p + list(r.outputs[0].token_ids[: spec["answer_prefix_keep"]]) + extra for p, r in zip(prompts, first)]
+    sp = SamplingParams(max_tokens=16, **greedy)
+    hit = llm.generate([engine_prompt(p) for p in follow], sp, use_tqdm=False)
+    llm.reset_prefix_cache()
+    miss = llm.generate([engine_prompt(p) for p in follow], sp, use_tqdm=False)
+    return {"block_size": block, "answers": request_outputs(first), "hit": request_outputs(hit),
+            "miss": request_outputs(miss)}
+
+
 ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "max_tokens_one": _max_tokens_one,
            "prompt_logprobs": _prompt_logprobs, "spec_decode_metrics": _spec_decode_metrics,
-           "seeded_sampling": _seeded_sampling, "preemptions": _preemptions}
+           "seeded_sampling": _seeded_sampling, "preemptions": _preemptions,
+           "answer_prefix_hits": _answer_prefix_hits}
 
 
 # ----------------------------------------------------------------------------- parent side

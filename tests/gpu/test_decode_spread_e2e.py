@@ -30,7 +30,7 @@ SPREAD = {"decode": "spread", "min_split_tokens": 512}
 PREEMPT_PROMPT = 6 * 272 - 12
 PCPS = (1, 2, 4, 8)
 # engine -> the pcp sizes it runs at
-ENGINE_PCPS = {"main": PCPS, "preempt": (1, 2, 4), "compiled": PCPS}
+ENGINE_PCPS = {"main": PCPS, "preempt": (1, 2, 4), "compiled": PCPS, "prefix": (1, 2, 4)}
 
 
 def mixed_lengths(count: int, longest: int) -> list[int]:
@@ -57,6 +57,15 @@ def _specs() -> dict:
             "actions": ["max_tokens_one", "abort_mid_prefill"],
             "abort_prompt": e2e.prompt_ids((20000,), vocab, seed=23)[0],
         },
+        "prefix": {
+            # prefix caching: answers decoded spread fill a block, which follow-ups hit (its GDN states
+            # made by the answers' owners); the follow-ups again without the hit
+            "llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True, max_model_len=4096, enable_prefix_caching=True),
+            "engine_core_in_process": True,
+            "batches": [e2e.prompt_ids((300,), vocab, seed=30)],
+            "actions": ["answer_prefix_hits"], "vocab": vocab, "answer_prefix_count": 6,
+            "answer_prefix_short": 12, "answer_prefix_decode": 40, "answer_prefix_keep": 24,
+        },
         "preempt": {
             "llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True, max_model_len=4096, disable_log_stats=False,
                                        kv_cache_memory_bytes=96 << 20),
@@ -76,6 +85,19 @@ def spread_jobs():
                 kw["additional_config"] = {"qwen36_pcp": SPREAD}
             jobs[f"spread_{name}_pcp{pcp}"] = ({**spec, "llm": {**spec["llm"], **kw}}, pcp)
     return jobs
+
+
+def prefix_report(ref: dict, res: dict) -> dict:
+    """``answer_prefix_hits`` of a spread engine against pcp=1's: the answers, and the follow-ups that
+    hit blocks the answers filled against the same follow-ups without the hit (pcp=1's as a reference:
+    a state made token by token and one made by a prefill round apart)."""
+    def brief(c):
+        return {k: c[k] for k in ("ok", "max_logprob_diff", "nonfinite")}
+
+    return {"block_size": res["block_size"], "cached": [o["num_cached_tokens"] for o in res["hit"]],
+            "answers": brief(e2e.compare(ref["answers"], res["answers"])),
+            "hit_vs_miss": brief(e2e.compare(res["miss"], res["hit"])),
+            "hit_vs_miss_pcp1": brief(e2e.compare(ref["miss"], ref["hit"]))}
 
 
 @pytest.mark.engine_jobs(builder=spread_jobs)
@@ -101,6 +123,11 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 assert res["abort_mid_prefill"]["finished"].get("survivor") == 8, res["abort_mid_prefill"]
             if name == "preempt":
                 assert res["preemptions"] > 0, "the small KV cache preempted nothing"
+            if name == "prefix":
+                c["prefix"] = prefix_report(ref["answer_prefix_hits"], res["answer_prefix_hits"])
+                print(f"[spread] prefix pcp{pcp}: {c['prefix']}")
+                assert all(n >= c["prefix"]["block_size"] for n in c["prefix"]["cached"]), c["prefix"]
+                assert c["prefix"]["answers"]["ok"] and c["prefix"]["hit_vs_miss"]["ok"], c["prefix"]
             if name == "compiled":
                 c["step_kinds"] = res["step_kinds"]
                 print(f"[spread] compiled pcp{pcp} step kinds per rank: {res['step_kinds']}")

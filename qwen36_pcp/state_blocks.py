@@ -1,0 +1,73 @@
+"""A decoding request's GDN states in the prefix cache under ``decode="spread"``.
+
+With prefix caching, vLLM 0.20.2 keeps a hybrid model's GDN states block by block
+(``mamba_cache_mode="align"``): a request's running state lives in the state slot of the block its
+last computed token is in. The step that computes a block's last token leaves that slot with the state
+after it, and the next step that runs the request copies the state on into the next block's slot
+(``mamba_utils.preprocess_mamba``), so the full block's slot keeps it: what a later request that hits
+the prefix up to that block starts from, on every rank (the block is cached whether or not its
+request runs again: it may finish or be preempted right there). A spread decode row is computed by its
+owner alone, so only the owner's slot holds that state. After the forward of a step in which owned
+rows fill their blocks, those blocks' states go from each owner to every rank: one broadcast per owner
+with such rows, every GDN layer's conv and SSM states of its blocks packed together, before any later
+step can read them. A request fills a block once every ``block_size`` decode steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .layers.context import to_device
+
+
+def completed_blocks(owner: np.ndarray, num_tokens: np.ndarray, block_size: int) -> np.ndarray:
+    """The requests whose owned decode row fills its block this step (``num_tokens``: each request's
+    computed tokens after the step; an owned row computes one, the block's last), by index; the block
+    is ``num_tokens // block_size - 1``."""
+    owner, num_tokens = np.asarray(owner), np.asarray(num_tokens)
+    return np.flatnonzero((owner >= 0) & (num_tokens > 0) & (num_tokens % block_size == 0))
+
+
+def share_completed_state_blocks(group, owner: np.ndarray, num_tokens: np.ndarray, block_size: int,
+                                 block_ids: Callable[[int], Sequence[Sequence[int]]],
+                                 caches: Sequence[Sequence[torch.Tensor]]) -> int:
+    """Every rank's copy of the state slots that owned decode rows filled this step, from their owners
+    (see the module); called after the step's forward. The same host data on every rank gives every
+    rank the same calls.
+
+    owner, num_tokens: per request of the step (``DecodeOwners``' owners, -1: not an owned row; its
+    computed tokens after the step); ``block_ids(i)``: request i's block ids, one list per state group
+    (vLLM's ``CachedRequestState.block_ids`` of the GDN groups); ``caches``: per state group, every
+    state tensor of its layers ([blocks, ...]: each GDN layer's conv and SSM states). Returns the number
+    of broadcasts."""
+    reqs = completed_blocks(owner, num_tokens, block_size)
+    if len(reqs) == 0:
+        return 0
+    device = caches[0][0].device
+    sent = 0
+    for src in sorted(set(int(owner[i]) for i in reqs)):
+        mine = [int(i) for i in reqs if owner[i] == src]
+        slots = [to_device(np.array([block_ids(i)[g][int(num_tokens[i]) // block_size - 1] for i in mine]),
+                           device) for g in range(len(caches))]
+        # the widest dtypes first: every part then starts at a multiple of its element size
+        parts = sorted(((state, slots[g]) for g, states in enumerate(caches) for state in states),
+                       key=lambda part: -part[0].element_size())
+        if group.rank_in_group == src:
+            payload = torch.cat([state.index_select(0, idx).reshape(-1).view(torch.uint8) for state, idx in parts])
+        else:
+            payload = torch.empty(sum(len(idx) * state[0].numel() * state.element_size() for state, idx in parts),
+                                  dtype=torch.uint8, device=device)
+        payload = group.broadcast(payload, src)
+        sent += 1
+        if group.rank_in_group == src:
+            continue
+        offset = 0
+        for state, idx in parts:
+            n = len(idx) * state[0].numel() * state.element_size()
+            rows = payload[offset: offset + n].view(state.dtype).view(len(idx), *state.shape[1:])
+            state.index_copy_(0, idx, rows)
+            offset += n
+    return sent

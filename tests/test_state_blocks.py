@@ -1,0 +1,73 @@
+"""State blocks that spread decode rows fill (``state_blocks``) on 2 and 4 gloo ranks: every rank's
+slots of the blocks that owned rows fill this step hold their owner's states afterwards, in one
+broadcast per owner; every other slot stays as it was."""
+
+import numpy as np
+import pytest
+import torch
+
+from harness.dist import run_distributed
+
+BS, BLOCKS = 4, 40
+
+
+def _caches(rank):
+    """Two state groups as vLLM lays GDN layers out: per layer a bf16 conv state of an odd element
+    count (a transposed view, as vLLM's conv state is) and an fp32 SSM state; every rank's values its own."""
+    def conv():
+        return (torch.arange(BLOCKS * 15, dtype=torch.float32).view(BLOCKS, 5, 3) + 1000 * rank).bfloat16() \
+            .transpose(1, 2)
+
+    def ssm():
+        return torch.arange(BLOCKS * 32, dtype=torch.float32).view(BLOCKS, 2, 4, 4) * 0.5 + 1000 * rank
+
+    return [[conv(), ssm(), conv(), ssm()], [conv(), ssm()]]
+
+
+def _block_ids(i):
+    # request i's blocks, one list per state group, distinct across requests and groups
+    return [[2 * i + 20 * g, 2 * i + 20 * g + 1, 30 + i + g] for g in (0, 1)]
+
+
+def _case(world_size):
+    # computed tokens after the step. Request 0: owned by the last rank, fills its second block
+    # (block 1); 1: fills a block, not owned; 2: owned by rank 0, fills block 0; 3: owned, mid-block;
+    # 4: owned by rank 1, fills block 2
+    owner = np.array([world_size - 1, -1, 0, 1, 1])
+    num_tokens = np.array([2 * BS, 2 * BS, BS, BS + 1, 3 * BS])
+    return owner, num_tokens
+
+
+def _step(rank, group):
+    from qwen36_pcp.state_blocks import share_completed_state_blocks
+
+    owner, num_tokens = _case(group.world_size)
+    caches = _caches(rank)
+    sent = share_completed_state_blocks(group, owner, num_tokens, BS, _block_ids, caches)
+    return sent, [[s.contiguous() for s in states] for states in caches]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_filled_blocks_hold_their_owners_states_on_every_rank(world_size):
+    owner, _ = _case(world_size)
+    completed = {0: 1, 2: 0, 4: 2}  # request -> the block it fills
+    results = run_distributed(_step, world_size)
+    for rank, (sent, caches) in enumerate(results):
+        assert sent == len({int(owner[i]) for i in completed}), sent
+        before = _caches(rank)
+        for g, states in enumerate(caches):
+            expected = [s.contiguous().clone() for s in before[g]]
+            for i, b in completed.items():
+                slot = _block_ids(i)[g][b]
+                for e, src in zip(expected, _caches(int(owner[i]))[g]):
+                    e[slot] = src[slot]
+            for got, want in zip(states, expected):
+                assert torch.equal(got, want), (rank, g)
+
+
+def test_no_completed_block_no_collective():
+    from qwen36_pcp.state_blocks import completed_blocks, share_completed_state_blocks
+
+    assert completed_blocks([0, -1, 1], [BS, 2 * BS, BS + 3], BS).tolist() == [0]
+    assert share_completed_state_blocks(None, np.array([0, -1]), np.array([BS + 1, BS]), BS, _block_ids,
+                                        _caches(0)) == 0
