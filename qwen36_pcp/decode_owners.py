@@ -11,7 +11,10 @@ Where another rank could read a decoding request's state, and what happens there
 - preemption: vLLM frees the request's blocks and recomputes it from token 0, prompt and outputs,
   which is replicated or split (every rank holds its states again); a step that starts a request at
   token 0 ends its ownership and records where the recompute ends, and its next owner comes at the
-  first one-token step past that point (a one-token leftover of the recompute is no decode row);
+  first one-token step past that point (a one-token leftover of the recompute is no decode row).
+  With prefix caching it resumes after its longest prefix hit instead, whose block holds the same
+  states on every rank (``state_blocks``): with more than one token left it is handed over (below; the
+  broadcast is then redundant), with one it stays with its owner;
 - a request left out of a step keeps its states where its owner wrote them, and its owner;
 - a request with an owner that comes back with more than one new token past token 0 (its prompt grew:
   streaming input) is *handed over*: before that step its owner broadcasts its GDN states to every

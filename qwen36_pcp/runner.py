@@ -260,17 +260,17 @@ class PCPModelRunner(GPUModelRunner):
         step's owned decode rows filled, from their owners to every rank (``state_blocks``)."""
         if self.decode_owners is None or self.cache_config.mamba_cache_mode != "align" or (plan.owner < 0).all():
             return
-        if not hasattr(self, "_state_groups"):
+        if not hasattr(self, "_state_groups"):  # the GDN groups, their block size and layers, once
             group_ids, spec = mamba_utils.get_mamba_groups(self.kv_cache_config)
             layers = self.compilation_config.static_forward_context
-            caches = [[state for name in self.kv_cache_config.kv_cache_groups[g].layer_names
-                       for state in layers[name].kv_cache] for g in group_ids]
-            self._state_groups = group_ids, spec.block_size, caches
-        group_ids, block_size, caches = self._state_groups
+            self._state_groups = group_ids, spec.block_size, [
+                [layers[name] for name in self.kv_cache_config.kv_cache_groups[g].layer_names] for g in group_ids]
+        group_ids, block_size, layers = self._state_groups
         req_ids = self.input_batch.req_ids
         share_completed_state_blocks(
             self.pcp_group, plan.owner, plan.num_computed + plan.num_new, block_size,
-            lambda i: [self.requests[req_ids[i]].block_ids[g] for g in group_ids], caches)
+            lambda i: [self.requests[req_ids[i]].block_ids[g] for g in group_ids],
+            [[state for layer in group for state in layer.kv_cache] for group in layers])
 
     def _attention_layers_by_group(self) -> list[tuple[int, list[Attention]]]:
         """The model's attention layers per KV-cache group (the MTP drafter's left out), once."""

@@ -22,6 +22,8 @@ import torch
 
 from .layers.context import to_device
 
+MAX_PAYLOAD_BYTES = 128 << 20
+
 
 def completed_blocks(owner: np.ndarray, num_tokens: np.ndarray, block_size: int) -> np.ndarray:
     """The requests whose owned decode row fills its block this step (``num_tokens``: each request's
@@ -33,7 +35,8 @@ def completed_blocks(owner: np.ndarray, num_tokens: np.ndarray, block_size: int)
 
 def share_completed_state_blocks(group, owner: np.ndarray, num_tokens: np.ndarray, block_size: int,
                                  block_ids: Callable[[int], Sequence[Sequence[int]]],
-                                 caches: Sequence[Sequence[torch.Tensor]]) -> int:
+                                 caches: Sequence[Sequence[torch.Tensor]],
+                                 max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> int:
     """Every rank's copy of the state slots that owned decode rows filled this step, from their owners
     (see the module); called after the step's forward. The same host data on every rank gives every
     rank the same calls.
@@ -41,33 +44,42 @@ def share_completed_state_blocks(group, owner: np.ndarray, num_tokens: np.ndarra
     owner, num_tokens: per request of the step (``DecodeOwners``' owners, -1: not an owned row; its
     computed tokens after the step); ``block_ids(i)``: request i's block ids, one list per state group
     (vLLM's ``CachedRequestState.block_ids`` of the GDN groups); ``caches``: per state group, every
-    state tensor of its layers ([blocks, ...]: each GDN layer's conv and SSM states). Returns the number
-    of broadcasts."""
+    state tensor of its layers ([blocks, ...]: each GDN layer's conv and SSM states). A payload holds
+    at most ``max_payload_bytes`` (at least one block: about 31 MiB at Qwen3.6-35B-A3B's shape), so
+    many requests filling blocks at once take a few broadcasts, not one buffer as large as all their
+    states. Returns the number of broadcasts."""
     reqs = completed_blocks(owner, num_tokens, block_size)
     if len(reqs) == 0:
         return 0
     device = caches[0][0].device
+    # the widest dtypes first: every part of a payload then starts at a multiple of its element size
+    states = sorted(((g, state) for g, group_states in enumerate(caches) for state in group_states),
+                    key=lambda gs: -gs[1].element_size())
+    per_block = sum(state[0].numel() * state.element_size() for _, state in states)
+    blocks_per_payload = max(1, max_payload_bytes // per_block)
     sent = 0
     for src in sorted(set(int(owner[i]) for i in reqs)):
         mine = [int(i) for i in reqs if owner[i] == src]
-        slots = [to_device(np.array([block_ids(i)[g][int(num_tokens[i]) // block_size - 1] for i in mine]),
-                           device) for g in range(len(caches))]
-        # the widest dtypes first: every part then starts at a multiple of its element size
-        parts = sorted(((state, slots[g]) for g, states in enumerate(caches) for state in states),
-                       key=lambda part: -part[0].element_size())
-        if group.rank_in_group == src:
-            payload = torch.cat([state.index_select(0, idx).reshape(-1).view(torch.uint8) for state, idx in parts])
-        else:
-            payload = torch.empty(sum(len(idx) * state[0].numel() * state.element_size() for state, idx in parts),
-                                  dtype=torch.uint8, device=device)
-        payload = group.broadcast(payload, src)
-        sent += 1
-        if group.rank_in_group == src:
-            continue
-        offset = 0
-        for state, idx in parts:
-            n = len(idx) * state[0].numel() * state.element_size()
-            rows = payload[offset: offset + n].view(state.dtype).view(len(idx), *state.shape[1:])
-            state.index_copy_(0, idx, rows)
-            offset += n
+        for first in range(0, len(mine), blocks_per_payload):  # bounded payloads
+            chunk = mine[first: first + blocks_per_payload]
+            slots = [to_device(np.array([block_ids(i)[g][int(num_tokens[i]) // block_size - 1] for i in chunk]),
+                               device) for g in range(len(caches))]
+            _broadcast_slots(group, src, [(state, slots[g]) for g, state in states], len(chunk) * per_block, device)
+            sent += 1
     return sent
+
+
+def _broadcast_slots(group, src: int, parts, nbytes: int, device) -> None:
+    """Rank ``src``'s rows ``idx`` of each state tensor, packed in one payload, into every rank's."""
+    if group.rank_in_group == src:
+        payload = torch.cat([state.index_select(0, idx).reshape(-1).view(torch.uint8) for state, idx in parts])
+    else:
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    payload = group.broadcast(payload, src)
+    if group.rank_in_group == src:
+        return
+    offset = 0
+    for state, idx in parts:
+        n = len(idx) * state[0].numel() * state.element_size()
+        state.index_copy_(0, idx, payload[offset: offset + n].view(state.dtype).view(len(idx), *state.shape[1:]))
+        offset += n

@@ -432,7 +432,7 @@ def _spread_steps(rank, group):
         align = name in ("decode", "mixed")
         runner.cache_config = SimpleNamespace(mamba_cache_mode="align" if align else "none")
         states = _states(rank)
-        runner._state_groups = ([1], STATE_BLOCK, [states])
+        runner._state_groups = ([1], STATE_BLOCK, [[SimpleNamespace(kv_cache=tuple(states))]])
         for j, r in enumerate(req_ids):
             runner.requests[r].block_ids = ([], list(range(j * 4000, j * 4000 + 2000)))
         for layer in layers:

@@ -38,22 +38,23 @@ def _case(world_size):
     return owner, num_tokens
 
 
-def _step(rank, group):
+def _step(rank, group, max_payload_bytes):
     from qwen36_pcp.state_blocks import share_completed_state_blocks
 
     owner, num_tokens = _case(group.world_size)
     caches = _caches(rank)
-    sent = share_completed_state_blocks(group, owner, num_tokens, BS, _block_ids, caches)
+    sent = share_completed_state_blocks(group, owner, num_tokens, BS, _block_ids, caches, max_payload_bytes)
     return sent, [[s.contiguous() for s in states] for states in caches]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_filled_blocks_hold_their_owners_states_on_every_rank(world_size):
+@pytest.mark.parametrize("world_size,one_block_payloads", [(2, False), (4, False), (2, True)])
+def test_filled_blocks_hold_their_owners_states_on_every_rank(world_size, one_block_payloads):
     owner, _ = _case(world_size)
     completed = {0: 1, 2: 0, 4: 2}  # request -> the block it fills
-    results = run_distributed(_step, world_size)
+    results = run_distributed(_step, world_size, 1 if one_block_payloads else 128 << 20)
     for rank, (sent, caches) in enumerate(results):
-        assert sent == len({int(owner[i]) for i in completed}), sent
+        # one payload per owner, or (payloads of one block) one per filled block
+        assert sent == (len(completed) if one_block_payloads else len({int(owner[i]) for i in completed})), sent
         before = _caches(rank)
         for g, states in enumerate(caches):
             expected = [s.contiguous().clone() for s in before[g]]

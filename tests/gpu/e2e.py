@@ -245,6 +245,8 @@ def _answer_prefix_hits(llm, spec):
     greedy = dict(temperature=0.0, logprobs=spec.get("logprobs", 5))
     first = llm.generate([engine_prompt(p) for p in prompts],
                          SamplingParams(max_tokens=spec["answer_prefix_decode"], **greedy), use_tqdm=False)
+    # every rank's GDN states of the blocks in the prefix cache (here: those the answers filled)
+    digests = llm.collective_rpc(_cached_state_digest, args=(_cached_blocks_by_group(llm),))
     extra = prompt_ids([8], spec["vocab"], seed=32)[0]
     follow = [p + list(r.outputs[0].token_ids[: spec["answer_prefix_keep"]]) + extra for p, r in zip(prompts, first)]
     sp = SamplingParams(max_tokens=16, **greedy)
@@ -252,7 +254,43 @@ def _answer_prefix_hits(llm, spec):
     llm.reset_prefix_cache()
     miss = llm.generate([engine_prompt(p) for p in follow], sp, use_tqdm=False)
     return {"block_size": block, "answers": request_outputs(first), "hit": request_outputs(hit),
-            "miss": request_outputs(miss)}
+            "miss": request_outputs(miss), "state_digests": digests}
+
+
+def _cached_blocks_by_group(llm) -> dict[int, list[int]]:
+    """The ids of the blocks in the prefix cache, by KV-cache group (the engine core in this process)."""
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    out: dict[int, list[int]] = {}
+    for key, blocks in pool.cached_block_hash_to_block._cache.items():
+        for b in blocks.values() if isinstance(blocks, dict) else [blocks]:
+            out.setdefault(get_group_id(key), []).append(b.block_id)
+    return out
+
+
+def _cached_state_digest(worker, blocks_by_group: dict[int, list[int]]) -> tuple[str, int]:
+    """In a worker (``collective_rpc``): a digest of its GDN layers' conv and SSM states in the given
+    blocks, and how many blocks of GDN groups that is."""
+    import hashlib
+
+    import torch
+    from vllm.v1.worker import mamba_utils
+
+    runner = worker.model_runner
+    group_ids, _ = mamba_utils.get_mamba_groups(runner.kv_cache_config)
+    layers = runner.compilation_config.static_forward_context
+    digest, count = hashlib.sha256(), 0
+    for g in group_ids:
+        ids = sorted(blocks_by_group.get(g, []))
+        count += len(ids)
+        if not ids:
+            continue
+        idx = torch.tensor(ids, device=runner.device)
+        for name in runner.kv_cache_config.kv_cache_groups[g].layer_names:
+            for state in layers[name].kv_cache:
+                digest.update(state.index_select(0, idx).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest(), count
 
 
 ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "max_tokens_one": _max_tokens_one,

@@ -95,6 +95,7 @@ def prefix_report(ref: dict, res: dict) -> dict:
         return {k: c[k] for k in ("ok", "max_logprob_diff", "nonfinite")}
 
     return {"block_size": res["block_size"], "cached": [o["num_cached_tokens"] for o in res["hit"]],
+            "state_digests": res["state_digests"],
             "answers": brief(e2e.compare(ref["answers"], res["answers"])),
             "hit_vs_miss": brief(e2e.compare(res["miss"], res["hit"])),
             "hit_vs_miss_pcp1": brief(e2e.compare(ref["miss"], ref["hit"]))}
@@ -128,6 +129,9 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 print(f"[spread] prefix pcp{pcp}: {c['prefix']}")
                 assert all(n >= c["prefix"]["block_size"] for n in c["prefix"]["cached"]), c["prefix"]
                 assert c["prefix"]["answers"]["ok"] and c["prefix"]["hit_vs_miss"]["ok"], c["prefix"]
+                # the blocks the answers filled hold the same states, bit for bit, on every rank
+                digests = res["answer_prefix_hits"]["state_digests"]
+                assert len({tuple(d) for d in digests}) == 1 and digests[0][1] >= 6, digests
             if name == "compiled":
                 c["step_kinds"] = res["step_kinds"]
                 print(f"[spread] compiled pcp{pcp} step kinds per rank: {res['step_kinds']}")
