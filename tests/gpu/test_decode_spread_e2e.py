@@ -58,9 +58,10 @@ def _specs() -> dict:
             "abort_prompt": e2e.prompt_ids((20000,), vocab, seed=23)[0],
         },
         "prefix": {
-            # prefix caching: answers decoded spread fill a block, which follow-ups hit (its GDN states
-            # made by the answers' owners); the follow-ups again without the hit
-            "llm": e2e.base_llm_kwargs(ckpt, enforce_eager=True, max_model_len=4096, enable_prefix_caching=True),
+            # prefix caching, compiled (FULL graphs): answers decoded spread fill a block, which
+            # follow-ups hit (its GDN states made by the answers' owners); the follow-ups again
+            # without the hit
+            "llm": e2e.base_llm_kwargs(ckpt, max_model_len=4096, enable_prefix_caching=True),
             "engine_core_in_process": True,
             "batches": [e2e.prompt_ids((300,), vocab, seed=30)],
             "actions": ["answer_prefix_hits"], "vocab": vocab, "answer_prefix_count": 6,
