@@ -38,32 +38,36 @@ def _case(world_size):
     return owner, num_tokens
 
 
-def _step(rank, group, max_payload_bytes):
+def _step(rank, group):
+    """The same step twice on fresh caches: payloads as large as need be, and of one block each."""
     from qwen36_pcp.state_blocks import share_completed_state_blocks
 
     owner, num_tokens = _case(group.world_size)
-    caches = _caches(rank)
-    sent = share_completed_state_blocks(group, owner, num_tokens, BS, _block_ids, caches, max_payload_bytes)
-    return sent, [[s.contiguous() for s in states] for states in caches]
+    out = []
+    for max_payload_bytes in (128 << 20, 1):
+        caches = _caches(rank)
+        sent = share_completed_state_blocks(group, owner, num_tokens, BS, _block_ids, caches, max_payload_bytes)
+        out.append((sent, [[s.contiguous() for s in states] for states in caches]))
+    return out
 
 
-@pytest.mark.parametrize("world_size,one_block_payloads", [(2, False), (4, False), (2, True)])
-def test_filled_blocks_hold_their_owners_states_on_every_rank(world_size, one_block_payloads):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_filled_blocks_hold_their_owners_states_on_every_rank(world_size):
     owner, _ = _case(world_size)
     completed = {0: 1, 2: 0, 4: 2}  # request -> the block it fills
-    results = run_distributed(_step, world_size, 1 if one_block_payloads else 128 << 20)
-    for rank, (sent, caches) in enumerate(results):
-        # one payload per owner, or (payloads of one block) one per filled block
-        assert sent == (len(completed) if one_block_payloads else len({int(owner[i]) for i in completed})), sent
-        before = _caches(rank)
-        for g, states in enumerate(caches):
-            expected = [s.contiguous().clone() for s in before[g]]
-            for i, b in completed.items():
-                slot = _block_ids(i)[g][b]
-                for e, src in zip(expected, _caches(int(owner[i]))[g]):
-                    e[slot] = src[slot]
-            for got, want in zip(states, expected):
-                assert torch.equal(got, want), (rank, g)
+    results = run_distributed(_step, world_size)
+    for rank, runs in enumerate(results):
+        for (sent, caches), one_block_payloads in zip(runs, (False, True)):
+            # one payload per owner, or (payloads of one block) one per filled block
+            assert sent == (len(completed) if one_block_payloads else len({int(owner[i]) for i in completed}))
+            for g, states in enumerate(caches):
+                expected = [s.contiguous().clone() for s in _caches(rank)[g]]
+                for i, b in completed.items():
+                    slot = _block_ids(i)[g][b]
+                    for e, src in zip(expected, _caches(int(owner[i]))[g]):
+                        e[slot] = src[slot]
+                for got, want in zip(states, expected):
+                    assert torch.equal(got, want), (rank, g, one_block_payloads)
 
 
 def test_no_completed_block_no_collective():
