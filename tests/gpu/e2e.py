@@ -122,6 +122,7 @@ def run_engine(spec: dict) -> dict:
         res = llm.generate([engine_prompt(p) for p in batch], sp, use_tqdm=False)
         result["runs"].append({"outputs": request_outputs(res), "seconds": time.time() - t1})
     if drafts_log is not None:
+        workers_settled(llm)
         per_rank = [_drafts_per_request(f) for f in sorted(drafts_log.parent.glob(drafts_log.name + ".*"))]
         result["drafts"] = per_rank[0] if per_rank else []
         result["drafts_ranks_agree"] = all(r == per_rank[0] for r in per_rank)
@@ -129,6 +130,7 @@ def run_engine(spec: dict) -> dict:
     for action in spec.get("actions", []):
         result[action] = ACTIONS[action](llm, spec)
     if steps_log is not None:  # per rank: how many model forwards of each kind
+        workers_settled(llm)
         from harness.shared_gpu import read_step_kinds
 
         result["step_kinds"] = read_step_kinds(steps_log)
@@ -192,6 +194,14 @@ def compare_prompt_logprobs(ref: list[list[float]], other: list[list[float]]) ->
     diffs = [abs(a - b) for a, b in pairs] if lengths_agree and not nonfinite else [float("inf")]
     return {"mean_logprob_diff": sum(diffs) / max(len(diffs), 1), "max_logprob_diff": max(diffs, default=0.0),
             "identical": lengths_agree and ref == other, "nonfinite": nonfinite}
+
+
+def workers_settled(llm) -> None:
+    """Returns once every rank has finished the steps so far. vLLM's executor takes a step's answer
+    from the output rank alone, so when ``generate`` returns the other ranks may still be in their last
+    step, their per-rank logs one line short; a collective call is queued behind that step on every
+    rank and answered by all of them."""
+    llm.collective_rpc("check_health")
 
 
 def _drafts_per_request(path: Path) -> list[list[list[int]]]:
