@@ -39,6 +39,7 @@ SPLIT_FROM = {"min_split_tokens": 512}
 ENGINES = {
     "mtp3_pcp1": ("random", 3, 1, 1), "mtp3_pcp8": ("random", 3, 1, 8), "mtp3_pcp2": ("random", 3, 1, 2),
     "mtp3_pcp4": ("random", 3, 1, 4),
+    "mtp1_pcp1": ("random", 1, 1, 1), "mtp1_pcp4": ("random", 1, 1, 4), "mtp1_pcp8": ("random", 1, 1, 8),
     "draft1_pcp1": ("draftable", 1, 1, 1), "draft1_pcp2": ("draftable", 1, 1, 2),
     "draft3_tp2": ("draftable", 3, 2, 1), "draft3_tp2_pcp2": ("draftable", 3, 2, 2),
     "nomtp_pcp2": (None, 0, 1, 2),
@@ -47,11 +48,12 @@ ENGINES = {
 }
 # engine -> the engine it must match
 REFERENCE = {"mtp3_pcp2": "mtp3_pcp1", "mtp3_pcp4": "mtp3_pcp1", "mtp3_pcp8": "mtp3_pcp1",
+             "mtp1_pcp4": "mtp1_pcp1", "mtp1_pcp8": "mtp1_pcp1",
              "draft1_pcp2": "draft1_pcp1", "draft3_tp2_pcp2": "draft3_tp2",
              "mtp3_pcp2_whole": "mtp3_pcp1", "draft1_pcp2_whole": "draft1_pcp1"}
 # pcp=8 cuts the 5000-token prompt into blocks of 320 tokens, short enough that flash-attention's
 # splits differ from pcp=1's (as for the short splits in test_pcp_e2e): within the rule, not bit for bit
-BIT_FOR_BIT = ("mtp3_pcp2", "mtp3_pcp4", "draft1_pcp2", "draft3_tp2_pcp2", "mtp3_pcp2_whole", "draft1_pcp2_whole")
+BIT_FOR_BIT = ("mtp3_pcp2", "mtp3_pcp4", "mtp1_pcp4", "draft1_pcp2", "draft3_tp2_pcp2", "mtp3_pcp2_whole", "draft1_pcp2_whole")
 
 
 # the draftable checkpoint: the target's residual branches scaled by this, the final norm unit
