@@ -262,9 +262,7 @@ class PCPModelRunner(GPUModelRunner):
             return
         if not hasattr(self, "_state_groups"):  # the GDN groups, their block size and layers, once
             group_ids, spec = mamba_utils.get_mamba_groups(self.kv_cache_config)
-            layers = self.compilation_config.static_forward_context
-            self._state_groups = group_ids, spec.block_size, [
-                [layers[name] for name in self.kv_cache_config.kv_cache_groups[g].layer_names] for g in group_ids]
+            self._state_groups = group_ids, spec.block_size, [self._layers_of_group(g) for g in group_ids]
         group_ids, block_size, layers = self._state_groups
         req_ids = self.input_batch.req_ids
         share_completed_state_blocks(
@@ -276,12 +274,15 @@ class PCPModelRunner(GPUModelRunner):
         """The model's attention layers per KV-cache group (the MTP drafter's left out), once."""
         if not hasattr(self, "_attention_groups"):
             ours = {id(m) for m in self.model.modules() if isinstance(m, Attention)}
-            layers = self.compilation_config.static_forward_context
-            self._attention_groups = [
-                (gid, [layers[name] for name in group.layer_names if id(layers.get(name)) in ours])
-                for gid, group in enumerate(self.kv_cache_config.kv_cache_groups)]
-            self._attention_groups = [(gid, found) for gid, found in self._attention_groups if found]
+            groups = [(gid, [layer for layer in self._layers_of_group(gid) if id(layer) in ours])
+                      for gid in range(len(self.kv_cache_config.kv_cache_groups))]
+            self._attention_groups = [(gid, found) for gid, found in groups if found]
         return self._attention_groups
+
+    def _layers_of_group(self, gid: int) -> list:
+        """The layers of KV-cache group ``gid``, as vLLM's forward context holds them."""
+        layers = self.compilation_config.static_forward_context
+        return [layers[name] for name in self.kv_cache_config.kv_cache_groups[gid].layer_names]
 
     def _split_drafter_enabled(self) -> bool:
         """Whether the MTP drafter's first pass at a split step runs this rank's rows
