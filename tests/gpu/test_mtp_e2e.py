@@ -177,6 +177,37 @@ def test_mtp_at_pcp_matches_pcp1(engine_pool):
     assert not failed, failed
 
 
+# a 65536-token prompt beside short ones, the accepting head at K = 3: chunked by vLLM's step budget,
+# each chunk split over pcp=4's ranks, the short prompts beside it
+LONG = {"long_mtp_pcp1": 1, "long_mtp_pcp4": 4}
+LONG_LENGTHS = (65536, 1, 3000)
+
+
+def long_jobs():
+    vocab = e2e.vocab_size(e2e.checkpoint("tiny"))
+    prompts = e2e.prompt_ids(LONG_LENGTHS, vocab, seed=16)
+    return {name: ({"llm": mtp_llm(draftable_checkpoint(), 3, pcp=pcp, max_model_len=65536 + 64),
+                    "engine_core_in_process": True, "batches": [prompts], "record_drafts": True,
+                    "actions": ["spec_decode_metrics"]}, pcp) for name, pcp in LONG.items()}
+
+
+@pytest.mark.engine_jobs(builder=long_jobs)
+def test_mtp_65536_token_prompt(engine_pool):
+    """pcp=4 with MTP on a 65536-token prompt beside short ones: within vLLM's rule of pcp=1 with MTP,
+    the ranks' drafts the same, drafts accepted, and pcp=1's accepted count where the answers are the
+    same bits."""
+    ref, r = e2e.result(engine_pool, "long_mtp_pcp1"), e2e.result(engine_pool, "long_mtp_pcp4")
+    c = e2e.compare(e2e.outputs(ref), e2e.outputs(r))
+    accepted = "vllm:spec_decode_num_accepted_tokens"
+    report = {**c, "identical": e2e.outputs(ref) == e2e.outputs(r),
+              "accepted": [x["spec_decode_metrics"].get(accepted) for x in (ref, r)]}
+    e2e.save("mtp_long", report)
+    print(f"[mtp 65536] {report}")
+    assert c["ok"] and c["nonfinite"] == 0, report
+    assert report["accepted"][1] and (report["accepted"][0] == report["accepted"][1] or not report["identical"]), report
+    assert r["drafts_ranks_agree"] and r["drafts_ranks"] == 4, report
+
+
 # one 12000-token prompt in 4096-token chunks (every chunk split: continuing chunks with MTP on), at
 # pcp=1, at pcp=2, and at pcp=2 after other requests have used the caches (answers must not depend on
 # what the caches held before)
