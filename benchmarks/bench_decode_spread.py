@@ -395,11 +395,9 @@ def report(out: str) -> dict:
             ax.annotate("outlier (left out of the fit)", (dropped[0], dropped[2]), textcoords="offset points",
                         xytext=(8, -4), fontsize=8)
         log2_axes(ax, "requests decoding (B)", "decode step per rank (ms)",
-                  f"Decode step per rank, {LAYERS} layers (measured; spread: "
-                  + ("less its host-memory copies, + NVLink)" if staged else "upper bound)"))
+                  f"Decode step per rank, {LAYERS} layers (measured" + (")" if staged else "; spread: upper bound)"))
 
-    save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="lower left",
-                bbox_to_anchor=(0.0, 0.12), ncol=2)
+    save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="upper left", ncol=2)
     return {"rows": rows, "fits": fits}
 
 
