@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .layers.context import DeferredKV, PCPContext, to_device
+from .layers.context import DeferredKV, PCPContext, to_device_all
 from .layers.split_attention import gathered_slots
 from .plan import PCPPlan
 
@@ -57,7 +57,7 @@ class OwnedBatch:
         rows with the null block, ``_get_slot_mappings`` their slots with -1)."""
         n, rows = self.num_reqs, self.num_rows
         device = runner.seq_lens.device
-        reqs, tokens = to_device(self.reqs, device), to_device(self.tokens, device)
+        reqs, tokens = to_device_all(device, self.reqs, self.tokens)
         # the host buffer of vLLM's query starts may still be read by its copy to the device (queued
         # without blocking): the owned starts are written on the device, in stream order after that
         # copy, and handed to the metadata build on the host as a tensor of their own

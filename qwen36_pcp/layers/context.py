@@ -32,10 +32,31 @@ def to_device(x: np.ndarray, device: torch.device | str, dtype=torch.int64) -> t
     GPU (a copy from pageable memory waits for the GPU's queued work, so an index first needed after
     the model call was launched, such as the output gather's, would hold the host until the model
     finished)."""
-    host = torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype)
-    if torch.device(device).type == "cuda" and is_pin_memory_available():
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return to_device_all(device, (x, dtype))[0]
+
+
+_ALIGN = 16  # bytes: each array's start in the packed copy, as aligned as a fresh device allocation's
+
+
+def to_device_all(device: torch.device | str, *arrays) -> list[torch.Tensor]:
+    """Host arrays on the device with one copy (``to_device``'s, from pinned memory on a GPU): each
+    pinned copy costs the host tens of microseconds whatever its size, and a step has several
+    indices. Each item is an array (sent as int64) or ``(array, dtype)``; the results are views of
+    one device buffer, each starting 16-byte aligned."""
+    hosts = [torch.from_numpy(np.ascontiguousarray(a)).to(dtype=dtype)
+             for a, dtype in (item if isinstance(item, tuple) else (item, torch.int64) for item in arrays)]
+    starts, total = [], 0
+    for h in hosts:
+        starts.append(total)
+        total += -(-h.numel() * h.element_size() // _ALIGN) * _ALIGN
+    pinned = torch.device(device).type == "cuda" and is_pin_memory_available()
+    packed = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    for h, start in zip(hosts, starts):
+        if h.numel():
+            packed[start:start + h.numel() * h.element_size()] = h.reshape(-1).view(torch.uint8)
+    packed = packed.to(device, non_blocking=True)
+    return [packed[start:start + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+            for h, start in zip(hosts, starts)]
 
 
 @dataclass
@@ -54,8 +75,15 @@ class Varlen:
 
     @classmethod
     def of(cls, bounds: np.ndarray, device: torch.device) -> Varlen:
-        cu_cpu = torch.from_numpy(np.ascontiguousarray(bounds, dtype=np.int32))
-        return cls(to_device(cu_cpu.numpy(), device, torch.int32), cu_cpu)
+        return cls.of_all([bounds], device)[0]
+
+    @classmethod
+    def of_all(cls, bounds: list[np.ndarray], device: torch.device, *others) -> list:
+        """One ``Varlen`` per array of ``bounds``, then ``others`` on the device (``to_device_all``'s
+        items), with one copy."""
+        hosts = [torch.from_numpy(np.ascontiguousarray(b, dtype=np.int32)) for b in bounds]
+        moved = to_device_all(device, *((h.numpy(), torch.int32) for h in hosts), *others)
+        return [cls(cu, h) for cu, h in zip(moved, hosts)] + moved[len(hosts):]
 
 
 @dataclass(frozen=True)
@@ -103,13 +131,16 @@ class StepTensors:
         local = plan.local_full_idx[plan.rank].copy()
         local[local < 0] = 0
         lens = np.diff(seqs.cu_q)
+        segments, local_idx, gathered_full_idx, gathered_of_full, seqused_k, seg_req = Varlen.of_all(
+            [seqs.cu_q], device, local, plan.gathered_full_idx(), plan.gathered_of_full,
+            (seqs.seqused_k, torch.int32), seqs.reqs)
         return cls(
-            local_idx=to_device(local, device),
-            gathered_full_idx=to_device(plan.gathered_full_idx(), device),
-            gathered_of_full=to_device(plan.gathered_of_full, device),
-            segments=Varlen.of(seqs.cu_q, device),
-            seqused_k=to_device(seqs.seqused_k, device, torch.int32),
-            seg_req=to_device(seqs.reqs, device),
+            local_idx=local_idx,
+            gathered_full_idx=gathered_full_idx,
+            gathered_of_full=gathered_of_full,
+            segments=segments,
+            seqused_k=seqused_k,
+            seg_req=seg_req,
             max_q=int(lens.max()) if len(lens) else 0,
             max_k=int(seqs.seqused_k.max()) if len(seqs.seqused_k) else 0,
             num_local_tokens=plan.num_local_tokens,
@@ -220,8 +251,8 @@ class PCPContext:
     def rank(self) -> int:
         return self.plan.rank
 
-    def to_device(self, x: np.ndarray, dtype=torch.int64) -> torch.Tensor:
-        return to_device(x, self.device, dtype)
+    def to_device(self, *arrays) -> list[torch.Tensor]:
+        return to_device_all(self.device, *arrays)
 
     # ------------------------------------------------------------------ communication
     @property
@@ -309,14 +340,13 @@ class PCPContext:
     @cached_property
     def sample_rows(self) -> SampleRowIndex:
         rows = self.plan.sample_rows()
-        return SampleRowIndex(*(self.to_device(x) for x in (rows.full, rows.send, rows.pick)))
+        return SampleRowIndex(*self.to_device(rows.full, rows.send, rows.pick))
 
     def conv_index(self, width: int) -> ConvIndex:
         """The halo indices of a short conv of this width (once per step and width)."""
         if width not in self._conv:
             sources = self.plan.conv_sources(width)
-            self._conv[width] = ConvIndex(self.to_device(self.plan.tail_rows(width)),
-                                          self.to_device(sources.halo), self.to_device(sources.final))
+            self._conv[width] = ConvIndex(*self.to_device(self.plan.tail_rows(width), sources.halo, sources.final))
         return self._conv[width]
 
     @cached_property
@@ -326,14 +356,18 @@ class PCPContext:
         starts_from_cache = np.array([s.block <= 0 and plan.num_computed[s.req] > 0 for s in segs], dtype=bool)
         replicated = [j for j, s in enumerate(segs) if s.block < 0]
         block_slots = plan.split_block_slots()
+        starts, rep_slots, rep_reqs, split_reqs, *slots = self.to_device(
+            (starts_from_cache, torch.bool), np.array(replicated, dtype=np.int64),
+            np.array([segs[j].req for j in replicated], dtype=np.int64), plan.split_reqs.astype(np.int64),
+            *(np.array(v, dtype=np.int64) for v in block_slots.values()))
         return StatePassingIndex(
-            starts_from_cache=self.to_device(starts_from_cache, torch.bool),
-            replicated_slots=self.to_device(np.array(replicated, dtype=np.int64)),
-            replicated_reqs=self.to_device(np.array([segs[j].req for j in replicated], dtype=np.int64)),
+            starts_from_cache=starts,
+            replicated_slots=rep_slots,
+            replicated_reqs=rep_reqs,
             num_replicated=plan.num_replicated,
-            split_reqs=self.to_device(plan.split_reqs.astype(np.int64)),
+            split_reqs=split_reqs,
             block_slots=block_slots,
-            block_slots_dev={b: self.to_device(np.array(v, dtype=np.int64)) for b, v in block_slots.items()},
+            block_slots_dev=dict(zip(block_slots, slots)),
         )
 
     @cached_property
@@ -342,16 +376,22 @@ class PCPContext:
         segs, offs = plan.local_segments, plan.seg_offsets[plan.rank]
         n_rep = sum(s.block < 0 for s in segs)
         rep_reqs = np.array([s.req for s in segs[:n_rep]], dtype=np.int64)
-        runs = [RelayRun(int(cu[0]), int(cu[-1]), Varlen.of(cu - cu[0], self.device)) for cu in plan.run_rows()]
+        run_rows = plan.run_rows()
+        replicated, *seqs = Varlen.of_all(
+            [offs[: n_rep + 1]] + [cu - cu[0] for cu in run_rows], self.device,
+            rep_reqs, (plan.num_computed[rep_reqs] > 0, torch.bool), plan.split_reqs.astype(np.int64),
+            (plan.num_computed[plan.split_reqs] > 0, torch.bool))
+        runs_seqs, (replicated_reqs, replicated_from_cache, split_reqs, split_from_cache) = \
+            seqs[: len(run_rows)], seqs[len(run_rows):]
         return RelayIndex(
             replicated_rows=int(offs[n_rep]),
-            replicated=Varlen.of(offs[: n_rep + 1], self.device),
-            replicated_reqs=self.to_device(rep_reqs),
-            replicated_from_cache=self.to_device(plan.num_computed[rep_reqs] > 0, torch.bool),
+            replicated=replicated,
+            replicated_reqs=replicated_reqs,
+            replicated_from_cache=replicated_from_cache,
             num_replicated=plan.num_replicated,
-            split_reqs=self.to_device(plan.split_reqs.astype(np.int64)),
-            split_from_cache=self.to_device(plan.num_computed[plan.split_reqs] > 0, torch.bool),
-            runs=runs,
+            split_reqs=split_reqs,
+            split_from_cache=split_from_cache,
+            runs=[RelayRun(int(cu[0]), int(cu[-1]), run) for cu, run in zip(run_rows, runs_seqs)],
         )
 
 

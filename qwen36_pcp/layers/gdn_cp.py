@@ -45,7 +45,7 @@ from vllm.model_executor.layers.fla.ops.wy_fast import recompute_w_u_fwd
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
 from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
 
-from .context import PCPContext, Varlen, to_device
+from .context import PCPContext, Varlen, to_device_all
 
 
 @dataclass
@@ -149,10 +149,9 @@ class VllmGDNKernels:
     def _chunk_meta(seqs: Varlen, device):
         """fla's chunk indices and offsets of ``seqs``, once per step."""
         if seqs.chunk_meta is None:
-            seqs.chunk_meta = tuple(
-                to_device(meta.numpy(), device, meta.dtype)
-                for meta in (prepare_chunk_indices(seqs.cu_cpu, FLA_CHUNK_SIZE),
-                             prepare_chunk_offsets(seqs.cu_cpu, FLA_CHUNK_SIZE)))
+            seqs.chunk_meta = tuple(to_device_all(device, *(
+                (meta.numpy(), meta.dtype) for meta in (prepare_chunk_indices(seqs.cu_cpu, FLA_CHUNK_SIZE),
+                                                        prepare_chunk_offsets(seqs.cu_cpu, FLA_CHUNK_SIZE)))))
         return seqs.chunk_meta
 
     # relay: the steps of vLLM's chunk_gated_delta_rule_fwd, split where the recurrence starts
