@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .layers.context import to_device
+from .layers.context import to_device_all
 
 MAX_PAYLOAD_BYTES = 128 << 20
 
@@ -62,8 +62,8 @@ def share_completed_state_blocks(group, owner: np.ndarray, num_tokens: np.ndarra
         mine = [int(i) for i in reqs if owner[i] == src]
         for first in range(0, len(mine), blocks_per_payload):  # bounded payloads
             chunk = mine[first: first + blocks_per_payload]
-            slots = [to_device(np.array([block_ids(i)[g][int(num_tokens[i]) // block_size - 1] for i in chunk]),
-                               device) for g in range(len(caches))]
+            slots = to_device_all(device, *(np.array([block_ids(i)[g][int(num_tokens[i]) // block_size - 1]
+                                                      for i in chunk]) for g in range(len(caches))))
             _broadcast_slots(group, src, [(state, slots[g]) for g, state in states], len(chunk) * per_block, device)
             sent += 1
     return sent

@@ -1,11 +1,11 @@
 """``to_device_all``: a step's host indices reach the device in one copy, each array intact (dtype,
-shape, values) and starting 16-byte aligned, as a fresh device allocation does (Triton specialises
-its kernels on pointer alignment)."""
+shape, values) and starting 16-byte aligned (Triton specialises its kernels on 16-byte pointer
+alignment, which fresh device allocations have)."""
 
 import numpy as np
 import torch
 
-from qwen36_pcp.layers.context import Varlen, to_device, to_device_all
+from qwen36_pcp.layers.context import Varlen, to_device_all
 
 
 def test_arrays_of_mixed_dtypes_and_shapes_in_one_buffer():
@@ -23,7 +23,7 @@ def test_arrays_of_mixed_dtypes_and_shapes_in_one_buffer():
         assert t.data_ptr() % 16 == 0
     # the copy is the device's own: changing the host array after the call changes nothing
     src = np.arange(4)
-    out = to_device(src, "cpu")
+    out, = to_device_all("cpu", src)
     src[:] = 0
     assert out.tolist() == [0, 1, 2, 3]
 

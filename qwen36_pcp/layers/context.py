@@ -27,22 +27,17 @@ from ..plan import PCPPlan
 FORWARD_CONTEXT_KEY = "qwen36_pcp"
 
 
-def to_device(x: np.ndarray, device: torch.device | str, dtype=torch.int64) -> torch.Tensor:
-    """A host index on the device, in stream order, without the host waiting: from pinned memory on a
-    GPU (a copy from pageable memory waits for the GPU's queued work, so an index first needed after
-    the model call was launched, such as the output gather's, would hold the host until the model
-    finished)."""
-    return to_device_all(device, (x, dtype))[0]
-
-
-_ALIGN = 16  # bytes: each array's start in the packed copy, as aligned as a fresh device allocation's
+_ALIGN = 16  # bytes: each array's start in the packed copy (Triton specialises pointers on 16-byte alignment)
 
 
 def to_device_all(device: torch.device | str, *arrays) -> list[torch.Tensor]:
-    """Host arrays on the device with one copy (``to_device``'s, from pinned memory on a GPU): each
-    pinned copy costs the host tens of microseconds whatever its size, and a step has several
-    indices. Each item is an array (sent as int64) or ``(array, dtype)``; the results are views of
-    one device buffer, each starting 16-byte aligned."""
+    """Host indices on the device, in stream order, without the host waiting, in one copy.
+
+    From pinned memory on a GPU: a copy from pageable memory waits for the GPU's queued work, so an
+    index first needed after the model call was launched (the output gather's) would hold the host
+    until the model finished. In one copy: each pinned copy costs the host tens of microseconds
+    whatever its size, and a step has several indices. Each item is an array (sent as int64) or
+    ``(array, dtype)``; the results are views of one device buffer, each starting 16-byte aligned."""
     hosts = [torch.from_numpy(np.ascontiguousarray(a)).to(dtype=dtype)
              for a, dtype in (item if isinstance(item, tuple) else (item, torch.int64) for item in arrays)]
     starts, total = [], 0
@@ -251,7 +246,7 @@ class PCPContext:
     def rank(self) -> int:
         return self.plan.rank
 
-    def to_device(self, *arrays) -> list[torch.Tensor]:
+    def to_device_all(self, *arrays) -> list[torch.Tensor]:
         return to_device_all(self.device, *arrays)
 
     # ------------------------------------------------------------------ communication
@@ -340,13 +335,13 @@ class PCPContext:
     @cached_property
     def sample_rows(self) -> SampleRowIndex:
         rows = self.plan.sample_rows()
-        return SampleRowIndex(*self.to_device(rows.full, rows.send, rows.pick))
+        return SampleRowIndex(*self.to_device_all(rows.full, rows.send, rows.pick))
 
     def conv_index(self, width: int) -> ConvIndex:
         """The halo indices of a short conv of this width (once per step and width)."""
         if width not in self._conv:
             sources = self.plan.conv_sources(width)
-            self._conv[width] = ConvIndex(*self.to_device(self.plan.tail_rows(width), sources.halo, sources.final))
+            self._conv[width] = ConvIndex(*self.to_device_all(self.plan.tail_rows(width), sources.halo, sources.final))
         return self._conv[width]
 
     @cached_property
@@ -356,7 +351,7 @@ class PCPContext:
         starts_from_cache = np.array([s.block <= 0 and plan.num_computed[s.req] > 0 for s in segs], dtype=bool)
         replicated = [j for j, s in enumerate(segs) if s.block < 0]
         block_slots = plan.split_block_slots()
-        starts, rep_slots, rep_reqs, split_reqs, *slots = self.to_device(
+        starts, rep_slots, rep_reqs, split_reqs, *slots = self.to_device_all(
             (starts_from_cache, torch.bool), np.array(replicated, dtype=np.int64),
             np.array([segs[j].req for j in replicated], dtype=np.int64), plan.split_reqs.astype(np.int64),
             *(np.array(v, dtype=np.int64) for v in block_slots.values()))

@@ -70,3 +70,24 @@ def test_sweep_sees_blocks_off_the_chunk_grid(monkeypatch):
     _save()
     assert any(" relay out" in f for f in failures)
     assert not any(" island " in f for f in failures)
+
+
+def test_indices_reach_the_gpu_from_pinned_memory_without_the_host_waiting():
+    """``to_device_all`` on a GPU with work queued: it returns while the stream is still busy (the
+    host did not wait for the queued work), and the indices arrive intact even though the pinned
+    blocks of that size are taken and overwritten before the copy runs."""
+    import numpy as np
+
+    from qwen36_pcp.layers.context import to_device_all
+
+    arrays = [np.arange(1000) + 7 * i for i in range(3)] + [(np.arange(5) % 2 == 0, torch.bool)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued work on the current stream
+    moved = to_device_all("cuda", *arrays)
+    assert not torch.cuda.current_stream().query(), "the host waited for the queued work"
+    for _ in range(8):  # pinned blocks as big as the packed copy's, written before the copy has run
+        torch.empty(4 * 8000, dtype=torch.uint8, pin_memory=True).fill_(255)
+    torch.cuda.synchronize()
+    for item, t in zip(arrays, moved):
+        array = item[0] if isinstance(item, tuple) else item
+        assert t.is_cuda and np.array_equal(t.cpu().numpy(), array)
