@@ -12,9 +12,12 @@ Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: t
 ``pcp2_spread``, ``pcp4_spread``. Each point: B requests of L context tokens decoding together, the
 median over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). A spread rank's
 turn holds its collective's copies through host memory, which NCCL between GPUs does not make; the
-shared GPU's communicator times them (``staging_seconds``: the GPU drained first, the wait for the
+shared GPU's communicator times them (``turn_counters``: the GPU drained first, the wait for the
 other ranks left out). A spread rank's step on a GPU of its own: its turn time less those copies, plus
 the step's collective (``step_traffic`` of the spread plan, priced by ``predict_ttft``'s NVLink model).
+Turns serialise host and GPU (a rank drains the GPU at each collective and at the turn's end), so
+these are steps with no host work hidden; each turn's waits for the GPU are timed too, and a second
+table gives the step with the host's work hidden behind the GPU's, at least max(host busy, GPU wait).
 Each rank also records the kind of every step (``owned_full``: a spread decode step through vLLM's
 FULL graph of its own requests). Prints a table, writes JSON and a PNG:
 
@@ -72,7 +75,7 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     from vllm import SamplingParams
 
     from benchmarks.profile_host import start_worker_profile, stop_worker_profile
-    from harness.shared_gpu import staging_seconds, turn_seconds
+    from harness.shared_gpu import turn_counters
 
     longest = max(sweep)
     # bench_ttft's pcp1 engine, made this config's by engine_args (its pcp size, the shared GPU)
@@ -100,10 +103,10 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                 break
             for _ in range(WARMUP):
                 engine.step()
-            marks = [(llm.collective_rpc(turn_seconds), llm.collective_rpc(staging_seconds))]
+            marks = [llm.collective_rpc(turn_counters)]
             for _ in range(STEPS):
                 engine.step()
-                marks.append((llm.collective_rpc(turn_seconds), llm.collective_rpc(staging_seconds)))
+                marks.append(llm.collective_rpc(turn_counters))
             point = per_step_medians(marks)
             out[f"{context}/{batch}"] = point
             print(f"[{config}] L={context} B={batch}: turn {max(point['turn_ms']):.2f} ms per rank (max of the "
@@ -127,20 +130,24 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     Path(path).write_text(json.dumps(out))
 
 
-def per_step_medians(marks: list[tuple[list[float], list[float]]]) -> dict:
-    """Each rank's turn time and host-memory copies per step, the median over the steps (a one-off
-    stall, such as a kernel compiled on first use, does not move it), from the readings
-    ``[(turn_seconds per rank, staging_seconds per rank)]`` taken before the first step and after each."""
+def per_step_medians(marks: list[list[dict]]) -> dict:
+    """Each rank's times per step, the median over the steps (a one-off stall, such as a kernel compiled
+    on first use, does not move it), from the readings of ``turn_counters`` (per rank) taken before the
+    first step and after each: the turn, its copies through host memory (``staging``), its waits for
+    the GPU (``drain``), the turn less the copies (``own``: the step on a GPU of its own with nothing
+    hidden) and less the waits too (``host``: the host busy)."""
     import statistics
 
-    def steps(k: int, rank: int) -> list[float]:
-        return [1e3 * (b[k][rank] - a[k][rank]) for a, b in zip(marks, marks[1:])]
+    def steps(rank: int, value) -> list[float]:
+        return [1e3 * (value(b[rank]) - value(a[rank])) for a, b in zip(marks, marks[1:])]
 
-    ranks = range(len(marks[0][0]))
-    return {"turn_ms": [statistics.median(steps(0, r)) for r in ranks],
-            "own_ms": [statistics.median([t - c for t, c in zip(steps(0, r), steps(1, r))]) for r in ranks],
-            "staging_ms": [statistics.median(steps(1, r)) for r in ranks],
-            "turn_mean_ms": [statistics.fmean(steps(0, r)) for r in ranks]}
+    parts = {"turn": lambda c: c["turn"], "own": lambda c: c["turn"] - c["staging"],
+             "staging": lambda c: c["staging"], "drain": lambda c: c["drain"],
+             "host": lambda c: c["turn"] - c["staging"] - c["drain"]}
+    ranks = range(len(marks[0]))
+    point = {f"{k}_ms": [statistics.median(steps(r, v)) for r in ranks] for k, v in parts.items()}
+    point["turn_mean_ms"] = [statistics.fmean(steps(r, parts["turn"])) for r in ranks]
+    return point
 
 
 def summarize_profile(trace_dir: str, top: int = 8) -> dict:
@@ -260,6 +267,12 @@ def step_model(fit: dict, rows: int, context: int) -> float:
     return a + b * rows + (kv_read_ms(rows, context) if fit["kv_reads"] else 0.0)
 
 
+def hidden_host_ms(point: dict) -> float:
+    """The slowest rank's step with its host work hidden behind its GPU work: per rank at least the
+    larger of the host busy and the GPU wait (``per_step_medians``)."""
+    return max(max(h, d) for h, d in zip(point["host_ms"], point["drain_ms"]))
+
+
 def report(out: str) -> dict:
     """The table (``table.txt``) and plot. Per point, replicated: pcp=1's turn time; spreadN: the slowest
     rank's turn time less its collectives' copies through host memory (``own_ms``; where a run has
@@ -280,12 +293,16 @@ def report(out: str) -> dict:
         for name, d in (("replicated_ms", base), ("piecewise_ms", piecewise)):
             if key in d:
                 row[name] = d[key]["turn_ms"][0]
+        if "host_ms" in base.get(key, {}):
+            row["replicated_hidden_ms"] = hidden_host_ms(base[key])
         for n, d in spread.items():
             if key in d:
                 turns = d[key]["turn_ms"]
                 own = d[key].get("own_ms", turns)  # per rank: turn less copies (a run without them: turn)
                 row[f"spread{n}_turn_ms"] = max(turns)
                 row[f"spread{n}_ms"] = max(own) + collectives_ms(n, batch)
+                if "host_ms" in d[key]:
+                    row[f"spread{n}_hidden_ms"] = hidden_host_ms(d[key]) + collectives_ms(n, batch)
         rows.append(row)
     pts = [(r["batch"], r["context"], r["replicated_ms"]) for r in rows if "replicated_ms" in r]
     replicated_fit = fit_line(pts, kv_reads=True) if len(pts) >= 4 else None
@@ -332,6 +349,19 @@ def report(out: str) -> dict:
         lines.append(f"{r['context']:>8} {r['batch']:>3} {ms(r, 'replicated_ms', 11)} "
                      + (f"{ms(r, 'piecewise_ms', 10)} " if with_piecewise else "")
                      + " ".join(f"    {spread_cells(r, n)}" for n in ns))
+    hidden = [r for r in rows if "replicated_hidden_ms" in r or any(f"spread{n}_hidden_ms" in r for n in ns)]
+    if hidden:
+        lines += ["", "the host's work hidden behind the GPU's (as vLLM's async scheduling can on a GPU of its own): "
+                  "a step then takes at least max(host busy, GPU wait) of its turn (measured per rank, the "
+                  "slowest rank's shown; spreadN + the collective on NVLink), against their sum above; (x) = "
+                  "replicated / spreadN",
+                  f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>16}" for n in ns)]
+        for r in hidden:
+            rep = r.get("replicated_hidden_ms")
+            cells = [f"{r[f'spread{n}_hidden_ms']:8.2f} ({rep / r[f'spread{n}_hidden_ms']:4.2f}x)"
+                     if rep and f"spread{n}_hidden_ms" in r else f"{ms(r, f'spread{n}_hidden_ms', 8)} {'':7}"
+                     for n in ns]
+            lines.append(f"{r['context']:>8} {r['batch']:>3} {ms(r, 'replicated_hidden_ms', 11)} " + " ".join(cells))
     fits = {"replicated": replicated_fit, **{f"overhead{n}": f for n, f in overhead_fits.items()}}
     if replicated_fit and overhead_fits:
         lines += ["", "step-time model, fitted to the points above: "

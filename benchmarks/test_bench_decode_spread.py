@@ -60,16 +60,31 @@ def test_a_run_without_timed_copies_reports_an_upper_bound(tmp_path):
 
 def test_per_step_medians_ignore_a_one_off_stall():
     # two ranks, five steps: rank 0 turns of 4 ms (one of 400 ms: a kernel compiled on first use) with 1 ms
-    # of host-memory copies each, rank 1 turns of 6 ms with 3 ms of copies
+    # of host-memory copies and 2 ms of GPU waits each, rank 1 turns of 6 ms with 3 ms of copies, 0.5 of waits
     turn0, turn1 = [4, 400, 4, 4, 4], [6] * 5
-    marks, t, c = [([0.0, 0.0], [0.0, 0.0])], [0.0, 0.0], [0.0, 0.0]
+    now = [{"turn": 0.0, "staging": 0.0, "drain": 0.0} for _ in range(2)]
+    marks = [[dict(c) for c in now]]
     for a, b in zip(turn0, turn1):
-        t = [t[0] + a / 1e3, t[1] + b / 1e3]
-        c = [c[0] + 1e-3, c[1] + 3e-3]
-        marks.append((t, c))
+        for c, turn, staging, drain in ((now[0], a, 1, 2), (now[1], b, 3, 0.5)):
+            c["turn"] += turn / 1e3
+            c["staging"] += staging / 1e3
+            c["drain"] += drain / 1e3
+        marks.append([dict(c) for c in now])
     point = bench.per_step_medians(marks)
     assert point["turn_ms"] == pytest.approx([4, 6]) and point["staging_ms"] == pytest.approx([1, 3])
     assert point["own_ms"] == pytest.approx([3, 3]) and point["turn_mean_ms"][0] == pytest.approx(83.2)
+    assert point["drain_ms"] == pytest.approx([2, 0.5]) and point["host_ms"] == pytest.approx([1, 2.5])
+
+
+def test_hidden_host_bound_is_the_larger_of_host_and_gpu_wait_per_rank(tmp_path):
+    _write(tmp_path, "pcp1", {"4096/1": {"turn_ms": [5.0], "own_ms": [5.0], "host_ms": [3.0], "drain_ms": [2.0]}})
+    # rank 0: host 1, wait 4 -> 4; rank 1: host 3.5, wait 1 -> 3.5: the slowest rank's 4
+    _write(tmp_path, "pcp2_spread", {"4096/1": {"turn_ms": [6.0, 6.0], "staging_ms": [1.0, 1.5],
+                                                "own_ms": [5.0, 4.5], "host_ms": [1.0, 3.5], "drain_ms": [4.0, 1.0]}})
+    row = bench.report(str(tmp_path))["rows"][0]
+    assert row["replicated_hidden_ms"] == 3.0
+    assert row["spread2_hidden_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 1))
+    assert "max(host busy, GPU wait)" in (tmp_path / "table.txt").read_text()
 
 
 def test_report_reads_each_ranks_own_step(tmp_path):

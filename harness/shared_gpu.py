@@ -49,7 +49,8 @@ class Turns:
     fd: int | None = None
     held = False
     held_s = 0.0  # time this rank has held the GPU (``turn_seconds``)
-    staged_s = 0.0  # of it, in collectives' copies through host memory (``staging_seconds``)
+    staged_s = 0.0  # of it, in collectives' copies through host memory
+    drained_s = 0.0  # of it, waiting for its queued GPU work to finish (at a collective or the turn's end)
     _since = 0.0
     _paused_s = 0.0  # time spent in ``paused`` so far
     _staging_depth = 0
@@ -69,9 +70,15 @@ class Turns:
         return True
 
     @classmethod
+    def _drain(cls) -> None:
+        t0 = time.perf_counter()
+        _synchronize()
+        cls.drained_s += time.perf_counter() - t0
+
+    @classmethod
     def give(cls) -> None:
         if cls.held:
-            _synchronize()
+            cls._drain()
             cls.held_s += time.perf_counter() - cls._since
             fcntl.flock(cls.fd, fcntl.LOCK_UN)
             cls.held = False
@@ -105,13 +112,14 @@ class Turns:
         """Around a collective of ``HostStagedCommunicator``: its copies through host memory (the
         device-to-host and host-to-device copies, the host's concatenation or sum), which NCCL does not
         make, are added to ``staged_s``. The GPU's queued work is drained first (the rank's own kernels,
-        part of its step on a GPU of its own) and the wait for the other ranks is left out."""
+        part of its step on a GPU of its own: ``drained_s``) and the wait for the other ranks is left
+        out."""
 
         @functools.wraps(collective)
         def staged(*args, **kwargs):
             if cls._staging_depth:  # inside another collective (``gather`` is an all-gather)
                 return collective(*args, **kwargs)
-            _synchronize()
+            cls._drain()
             t0, paused0 = time.perf_counter(), cls._paused_s
             cls._staging_depth += 1
             try:
@@ -135,10 +143,14 @@ def turn_seconds(worker=None) -> float:
     return Turns.held_s
 
 
-def staging_seconds(worker=None) -> float:
-    """Of ``turn_seconds``, the time this worker's rank has spent copying its collectives through host
-    memory (``Turns.staging``): what NCCL between GPUs would not spend."""
-    return Turns.staged_s
+def turn_counters(worker=None) -> dict[str, float]:
+    """This worker's rank's time so far (a ``collective_rpc`` target), in seconds: ``turn`` (its turns,
+    ``turn_seconds``); of it ``staging``, copying its collectives through host memory (what NCCL between
+    GPUs would not spend), and ``drain``, the host waiting for the rank's queued GPU work (at a
+    collective or the turn's end). The rest of the turn, ``turn - staging - drain``, is the host busy
+    while the GPU works or idles: on a GPU of its own the step takes at least the larger of that and
+    ``drain`` (the host's work hidden behind the GPU's) and at most their sum."""
+    return {"turn": Turns.held_s, "staging": Turns.staged_s, "drain": Turns.drained_s}
 
 
 class HostStagedCommunicator(DeviceCommunicatorBase):

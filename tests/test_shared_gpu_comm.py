@@ -83,3 +83,27 @@ def test_ranks_taking_turns_never_work_at_once(tmp_path, turns):
     # the copies of the two collectives through the communicator are timed, not the 50 ms a rank
     # waits in them for the other's work
     assert 0 < staged0 < 0.04 and 0 < staged1 < 0.04, (staged0, staged1)
+
+
+def test_a_turn_times_its_waits_for_the_gpu(tmp_path, monkeypatch):
+    """A turn's waits for the GPU (each 20 ms here: before a collective's copies and at the turn's end)
+    are timed as ``drain``, apart from the copies (``staging``) and from the host's own 30 ms."""
+    from harness import shared_gpu
+
+    monkeypatch.setattr(shared_gpu, "_synchronize", lambda: time.sleep(0.02))
+    monkeypatch.setenv(shared_gpu.TURNS_ENV, str(tmp_path / "turns.lock"))
+    monkeypatch.setattr(shared_gpu.Turns, "fd", None)
+    for name in ("held_s", "staged_s", "drained_s"):
+        monkeypatch.setattr(shared_gpu.Turns, name, 0.0)
+    shared_gpu.Turns.open()
+    try:
+        with shared_gpu.Turns.turn():
+            time.sleep(0.03)
+            shared_gpu.Turns.staging(lambda: time.sleep(0.01))()
+        c = shared_gpu.turn_counters()
+    finally:
+        os.close(shared_gpu.Turns.fd)
+    # drained before the copies and at the turn's end; the wait after the copies is theirs
+    assert 0.038 < c["drain"] < 0.06, c
+    assert 0.028 < c["staging"] < 0.045, c
+    assert 0.028 < c["turn"] - c["staging"] - c["drain"] < 0.045, c
