@@ -53,6 +53,7 @@ class Turns:
     drained_s = 0.0  # of it, waiting for its queued GPU work to finish (at a collective or the turn's end)
     _since = 0.0
     _paused_s = 0.0  # time spent in ``paused`` so far
+    _pausing = False
     _staging_depth = 0
 
     @classmethod
@@ -98,14 +99,17 @@ class Turns:
     @contextlib.contextmanager
     def paused(cls):
         """Around a collective: the other ranks run until they reach it too."""
-        held, t0 = cls.held, time.perf_counter()
+        held, t0, outer = cls.held, time.perf_counter(), not cls._pausing
+        cls._pausing = True
         cls.give()
         try:
             yield
         finally:
             if held:
                 cls.take()
-            cls._paused_s += time.perf_counter() - t0
+            if outer:  # a pause inside another (broadcast_tensor_dict's broadcast_object) is counted once
+                cls._pausing = False
+                cls._paused_s += time.perf_counter() - t0
 
     @classmethod
     def staging(cls, collective):
@@ -113,12 +117,12 @@ class Turns:
         device-to-host and host-to-device copies, the host's concatenation or sum), which NCCL does not
         make, are added to ``staged_s``. The GPU's queued work is drained first (the rank's own kernels,
         part of its step on a GPU of its own: ``drained_s``) and the wait for the other ranks is left
-        out."""
+        out. With turns, only inside one: a collective outside a turn is no rank's step."""
 
         @functools.wraps(collective)
         def staged(*args, **kwargs):
-            if cls._staging_depth:  # inside another collective (``gather`` is an all-gather)
-                return collective(*args, **kwargs)
+            if cls._staging_depth or (cls.fd is not None and not cls.held):  # inside another collective
+                return collective(*args, **kwargs)  # (``gather`` is an all-gather), or outside a turn
             cls._drain()
             t0, paused0 = time.perf_counter(), cls._paused_s
             cls._staging_depth += 1
@@ -147,9 +151,8 @@ def turn_counters(worker=None) -> dict[str, float]:
     """This worker's rank's time so far (a ``collective_rpc`` target), in seconds: ``turn`` (its turns,
     ``turn_seconds``); of it ``staging``, copying its collectives through host memory (what NCCL between
     GPUs would not spend), and ``drain``, the host waiting for the rank's queued GPU work (at a
-    collective or the turn's end). The rest of the turn, ``turn - staging - drain``, is the host busy
-    while the GPU works or idles: on a GPU of its own the step takes at least the larger of that and
-    ``drain`` (the host's work hidden behind the GPU's) and at most their sum."""
+    collective or the turn's end: the GPU's work the host's did not overlap). The rest of the turn,
+    ``turn - staging - drain``, is the host busy inside its turns, kernels running beside it."""
     return {"turn": Turns.held_s, "staging": Turns.staged_s, "drain": Turns.drained_s}
 
 
