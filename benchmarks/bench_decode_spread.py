@@ -455,12 +455,13 @@ def main():
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/decode_spread")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS))
     parser.add_argument("--contexts", type=int, nargs="+", choices=list(SWEEP), default=list(SWEEP))
+    parser.add_argument("--batches", type=int, nargs="+", help="only these batch sizes of the sweep")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    sweep = {c: SWEEP[c] for c in args.contexts}
+    sweep = {c: tuple(b for b in SWEEP[c] if not args.batches or b in args.batches) for c in args.contexts}
     if args.profile and PROFILE_POINT[1] not in sweep.get(PROFILE_POINT[0], ()):
         parser.error(f"--profile profiles the point L={PROFILE_POINT[0]}, B={PROFILE_POINT[1]}: keep that context")
     if args.child:
@@ -470,6 +471,7 @@ def main():
         model = bench_ttft.checkpoint(args.out, layers=LAYERS)
         for config in args.configs:
             argv = [__file__, "--out", args.out, "--contexts", *map(str, args.contexts),
+                    *(["--batches", *map(str, args.batches)] if args.batches else []),
                     *(["--profile"] if args.profile else []), "--child", config, model]
             bench_ttft.run_child(argv, str(Path(args.out) / f"{config}.log"), "race_free", in_process=True,
                                  turns_lock=str(Path(args.out) / "turns.lock"))

@@ -105,8 +105,8 @@ def draftable_checkpoint() -> str:
 def mtp_llm(model: str, k: int, tp: int = 1, pcp: int = 1, pcp_options: dict | None = None, **kw) -> dict:
     """LLM arguments: eager, speculative-decoding counters on, MTP with ``k`` drafts (none: ``k=0``),
     ``pcp_options`` beside the split floor of these tests."""
-    llm = e2e.base_llm_kwargs(model, enforce_eager=True, max_model_len=32768, disable_log_stats=False,
-                              tensor_parallel_size=tp, prefill_context_parallel_size=pcp, **kw)
+    llm = e2e.base_llm_kwargs(model, **{"enforce_eager": True, "max_model_len": 32768, "disable_log_stats": False,
+                                        "tensor_parallel_size": tp, "prefill_context_parallel_size": pcp, **kw})
     if pcp > 1:
         llm["additional_config"] = {"qwen36_pcp": SPLIT_FROM}
     if k:
