@@ -7,9 +7,10 @@ built from (query starts, sequence lengths on the device and the host, every KV-
 block-table rows and slot mapping); vLLM's dispatcher then picks the CUDA graph of that batch (FULL
 where vLLM captured it: the whole forward one graph, which replays what it read at capture, those
 buffers' heads) and the layers run without a PCP context, as at pcp == 1: each GDN layer updates the
-owned requests' states, each attention layer writes their new K/V into this rank's cache. The heads are
-put back after the forward. The other ranks' caches get that K/V with the step's output gather
-(``defer_cached_kv``): one collective per step.
+owned requests' states, each attention layer writes their new K/V into this rank's cache. The heads
+stay as written (vLLM rewrites them before it reads them again: ``OwnedBatch.write_heads``). The
+other ranks' caches get that K/V with the step's output gather (``defer_cached_kv``): one collective
+per step.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class OwnedBatch:
     tokens: np.ndarray  # [n] their rows (one new token each) in the whole batch
     num_rows: int  # the batch every rank runs: the most any rank owns, padded to a graph size
     eager: bool = False  # no graph: the padded batch would exceed the runner's request buffers
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (head, original)
     query_start_cpu: torch.Tensor | None = None  # the owned batch's query starts on the host
+    whole_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> the whole batch's slots
 
     @classmethod
     def of(cls, plan: PCPPlan, num_rows: int, eager: bool = False) -> OwnedBatch:
@@ -47,43 +48,46 @@ class OwnedBatch:
     def num_reqs(self) -> int:
         return len(self.reqs)
 
-    def _put(self, head: torch.Tensor, values: torch.Tensor) -> None:
-        self.saved.append((head, head.clone()))
-        head[: values.shape[0]].copy_(values)
-
-    def write_heads(self, runner) -> None:
+    def write_heads(self, runner, num_tokens: int, keep_slots: Iterable[int] = ()) -> None:
         """The owned requests' rows at the head of the runner's metadata buffers (``num_rows`` of
         them; the rows past ``num_reqs`` are padding: vLLM's metadata build fills their block-table
-        rows with the null block, ``_get_slot_mappings`` their slots with -1)."""
+        rows with the null block, ``_get_slot_mappings`` their slots with -1).
+
+        Nothing is put back: in 0.20.2 the next ``_prepare_inputs`` rewrites each of these buffers
+        before anything reads it (query starts and sequence lengths whole, block-table rows up to its
+        batch's size: rows past it are stale in vLLM too, slots up to its tokens), and after the
+        forward only pooling and speculative decoding read them, both refused with
+        ``decode="spread"``. The one whole-batch value read after the forward, the slots of the
+        groups in ``keep_slots`` (``defer_cached_kv`` writes every rank's new K/V at them), is kept
+        first (``whole_slots``). A step's sequence lengths are the host's (``num_computed_tokens``
+        plus one: without speculative decoding vLLM's device copy is the host's)."""
         n, rows = self.num_reqs, self.num_rows
         device = runner.seq_lens.device
-        reqs, tokens = to_device_all(device, self.reqs, self.tokens)
+        tables = runner.input_batch.block_table.block_tables
+        host = runner.optimistic_seq_lens_cpu.numpy()
+        lens = np.zeros(rows, dtype=np.int32)
+        lens[:n] = host[self.reqs]
         # the host buffer of vLLM's query starts may still be read by its copy to the device (queued
         # without blocking): the owned starts are written on the device, in stream order after that
         # copy, and handed to the metadata build on the host as a tensor of their own
         # (``query_starts``)
-        self.query_start_cpu = torch.from_numpy(np.minimum(np.arange(rows + 1), n).astype(np.int32))
-        self._put(runner.query_start_loc.gpu[: rows + 1],
-                  torch.arange(rows + 1, dtype=torch.int32, device=device).clamp_(max=n))
-        seq_lens = runner.seq_lens.index_select(0, reqs)
-        self._put(runner.seq_lens[:rows], torch.cat([seq_lens, seq_lens.new_zeros(rows - n)]))
-        host = runner.optimistic_seq_lens_cpu
-        host_lens = host[torch.from_numpy(self.reqs)]
-        self._put(host[:rows], torch.cat([host_lens, host_lens.new_zeros(rows - n)]))
-        for table in runner.input_batch.block_table.block_tables:
-            self._put(table.block_table.gpu[:rows], table.block_table.gpu.index_select(0, reqs))
-            self._put(table.slot_mapping.gpu[:rows], table.slot_mapping.gpu.index_select(0, tokens))
+        starts = np.minimum(np.arange(rows + 1), n).astype(np.int32)
+        self.query_start_cpu = torch.from_numpy(starts)
+        self.whole_slots = {g: tables[g].slot_mapping.gpu[:num_tokens].clone() for g in keep_slots}
+        reqs, tokens, starts_dev, lens_dev = to_device_all(device, self.reqs, self.tokens, (starts, torch.int32),
+                                                            (lens, torch.int32))
+        runner.query_start_loc.gpu[: rows + 1].copy_(starts_dev)
+        runner.seq_lens[:rows].copy_(lens_dev)
+        host[:rows] = lens
+        if n:
+            for table in tables:  # each selected before its head is written
+                table.block_table.gpu[:n].copy_(table.block_table.gpu.index_select(0, reqs))
+                table.slot_mapping.gpu[:n].copy_(table.slot_mapping.gpu.index_select(0, tokens))
 
     def query_starts(self, buffer):
         """vLLM's query-start buffer as the metadata build reads it: its device tensor (the owned
         starts at its head) and the owned starts on the host."""
         return SimpleNamespace(gpu=buffer.gpu, cpu=self.query_start_cpu, np=self.query_start_cpu.numpy())
-
-    def restore(self) -> None:
-        """The whole batch's values back where ``write_heads`` put the owned ones."""
-        for head, original in reversed(self.saved):
-            head.copy_(original)
-        self.saved.clear()
 
 
 def defer_cached_kv(ctx: PCPContext, layers: Iterable, slot_mapping: torch.Tensor) -> None:

@@ -105,7 +105,7 @@ class PCPModelRunner(GPUModelRunner):
         self.draft_ctx = None  # set again by a split step whose drafter splits (_model_forward)
         plan, owned = self._plan(num_scheduled_tokens)
         if owned is not None:
-            owned.write_heads(self)
+            owned.write_heads(self, plan.num_tokens, keep_slots=[g for g, _ in self._attention_layers_by_group()])
         self.pcp_step = PCPStep(plan, logits_indices, owned)
         return logits_indices, spec_decode_metadata
 
@@ -225,8 +225,9 @@ class PCPModelRunner(GPUModelRunner):
     def _owned_forward(self, step: PCPStep, input_ids, positions, intermediate_tensors, inputs_embeds,
                        **model_kwargs):
         """A spread decode step: vLLM's forward of the batch of this rank's own requests (no PCP
-        context: the layers run as at pcp == 1, in vLLM's CUDA graph of that batch), the runner's
-        buffers put back, then one all-gather of every rank's sampled rows and new K/V.
+        context: the layers run as at pcp == 1, in vLLM's CUDA graph of that batch), then one
+        all-gather of every rank's sampled rows and new K/V (written at the whole batch's slots, kept
+        by ``OwnedBatch.write_heads``).
 
         vLLM hands the model the head of its input buffers (``num_rows`` rows: a graph replays what
         it read at capture, those heads); the owned requests' ids, positions and embeddings are
@@ -235,22 +236,19 @@ class PCPModelRunner(GPUModelRunner):
         num_tokens = plan.num_tokens
         ctx = PCPContext(plan, self.pcp_group, self.device, num_tokens_padded=num_tokens)
         idx = ctx.t.local_idx
-        try:
-            if owned.num_reqs:
-                n = max(num_tokens, owned.num_rows)  # the batch's rows, and the heads the model reads
-                whole = (self.input_ids.gpu[:n] if input_ids is not None else None,
-                         self.mrope_positions.gpu[:, :n] if positions.dim() == 2 else self.positions[:n],
-                         self.inputs_embeds.gpu[:n] if inputs_embeds is not None else None)
-                hidden = super()._model_forward(
-                    local_rows(whole[0], idx, 0, in_place=True), local_rows(whole[1], idx, -1, in_place=True),
-                    intermediate_tensors, local_rows(whole[2], idx, 0, in_place=True), **model_kwargs)
-            else:  # no request of its own: nothing to compute
-                hidden = torch.zeros(owned.num_rows, self.model_config.get_hidden_size(), dtype=self.dtype,
-                                     device=self.device)
-        finally:
-            owned.restore()
+        if owned.num_reqs:
+            n = max(num_tokens, owned.num_rows)  # the batch's rows, and the heads the model reads
+            whole = (self.input_ids.gpu[:n] if input_ids is not None else None,
+                     self.mrope_positions.gpu[:, :n] if positions.dim() == 2 else self.positions[:n],
+                     self.inputs_embeds.gpu[:n] if inputs_embeds is not None else None)
+            hidden = super()._model_forward(
+                local_rows(whole[0], idx, 0, in_place=True), local_rows(whole[1], idx, -1, in_place=True),
+                intermediate_tensors, local_rows(whole[2], idx, 0, in_place=True), **model_kwargs)
+        else:  # no request of its own: nothing to compute
+            hidden = torch.zeros(owned.num_rows, self.model_config.get_hidden_size(), dtype=self.dtype,
+                                 device=self.device)
         for gid, layers in self._attention_layers_by_group():
-            defer_cached_kv(ctx, layers, self.input_batch.block_table[gid].slot_mapping.gpu[:num_tokens])
+            defer_cached_kv(ctx, layers, owned.whole_slots[gid])
         out = ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
         self._share_filled_state_blocks(plan)
         return out

@@ -36,22 +36,35 @@ def to_device_all(device: torch.device | str, *arrays) -> list[torch.Tensor]:
     From pinned memory on a GPU: a copy from pageable memory waits for the GPU's queued work, so an
     index first needed after the model call was launched (the output gather's) would hold the host
     until the model finished. In one copy: each pinned copy costs the host tens of microseconds
-    whatever its size, and a step has several indices. Each item is an array (sent as int64) or
-    ``(array, dtype)``; the results are views of one device buffer, each starting 16-byte aligned."""
-    hosts = [torch.from_numpy(np.ascontiguousarray(a)).to(dtype=dtype)
+    whatever its size, and a step has several indices. The arrays are packed with numpy, and each
+    result is at most two tensor calls (a slice and its dtype), because every tensor call is host
+    time a step pays. Each item is an array (sent as int64) or ``(array, dtype)``; the results are
+    views of one device buffer, each starting 16-byte aligned."""
+    hosts = [np.ascontiguousarray(a, dtype=_numpy_dtype(dtype))
              for a, dtype in (item if isinstance(item, tuple) else (item, torch.int64) for item in arrays)]
     starts, total = [], 0
     for h in hosts:
         starts.append(total)
-        total += -(-h.numel() * h.element_size() // _ALIGN) * _ALIGN
+        total += -(-h.nbytes // _ALIGN) * _ALIGN
     pinned = torch.device(device).type == "cuda" and is_pin_memory_available()
     packed = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    packed_np = packed.numpy()
     for h, start in zip(hosts, starts):
-        if h.numel():
-            packed[start:start + h.numel() * h.element_size()] = h.reshape(-1).view(torch.uint8)
+        packed_np[start:start + h.nbytes] = h.reshape(-1).view(np.uint8)
     packed = packed.to(device, non_blocking=True)
-    return [packed[start:start + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
-            for h, start in zip(hosts, starts)]
+    out = []
+    for h, start in zip(hosts, starts):
+        t = packed[start:start + h.nbytes].view(_TORCH_DTYPES[h.dtype])
+        out.append(t if h.ndim == 1 else t.view(h.shape))
+    return out
+
+
+_TORCH_DTYPES = {np.dtype(n): t for n, t in (("int64", torch.int64), ("int32", torch.int32), ("bool", torch.bool),
+                                              ("uint8", torch.uint8), ("float32", torch.float32))}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return next(n for n, t in _TORCH_DTYPES.items() if t == dtype)
 
 
 @dataclass
@@ -103,6 +116,15 @@ class DeferredKV:
 
 
 @dataclass(frozen=True)
+class SampleRowIndex:
+    """``plan.SampleRows`` on the device."""
+
+    full: torch.Tensor
+    send: torch.Tensor
+    pick: torch.Tensor
+
+
+@dataclass(frozen=True)
 class StepTensors:
     """The plan's per-step index tensors every layer reads, on the device."""
 
@@ -112,6 +134,7 @@ class StepTensors:
     segments: Varlen  # this rank's segments as sequences
     seqused_k: torch.Tensor  # [S] int32, keys each segment's queries see
     seg_req: torch.Tensor  # [S] int64, request of each segment
+    sample: SampleRowIndex  # where the output gather takes each request's sampled row from
     max_q: int
     max_k: int
     num_local_tokens: int
@@ -126,9 +149,10 @@ class StepTensors:
         local = plan.local_full_idx[plan.rank].copy()
         local[local < 0] = 0
         lens = np.diff(seqs.cu_q)
-        segments, local_idx, gathered_full_idx, gathered_of_full, seqused_k, seg_req = Varlen.of_all(
+        rows = plan.sample_rows()
+        segments, local_idx, gathered_full_idx, gathered_of_full, seqused_k, seg_req, *sample = Varlen.of_all(
             [seqs.cu_q], device, local, plan.gathered_full_idx(), plan.gathered_of_full,
-            (seqs.seqused_k, torch.int32), seqs.reqs)
+            (seqs.seqused_k, torch.int32), seqs.reqs, rows.full, rows.send, rows.pick)
         return cls(
             local_idx=local_idx,
             gathered_full_idx=gathered_full_idx,
@@ -136,19 +160,11 @@ class StepTensors:
             segments=segments,
             seqused_k=seqused_k,
             seg_req=seg_req,
+            sample=SampleRowIndex(*sample),
             max_q=int(lens.max()) if len(lens) else 0,
             max_k=int(seqs.seqused_k.max()) if len(seqs.seqused_k) else 0,
             num_local_tokens=plan.num_local_tokens,
         )
-
-
-@dataclass(frozen=True)
-class SampleRowIndex:
-    """``plan.SampleRows`` on the device."""
-
-    full: torch.Tensor
-    send: torch.Tensor
-    pick: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -332,10 +348,9 @@ class PCPContext:
         return out
 
     # ------------------------------------------------------------- per-step indices
-    @cached_property
+    @property
     def sample_rows(self) -> SampleRowIndex:
-        rows = self.plan.sample_rows()
-        return SampleRowIndex(*self.to_device_all(rows.full, rows.send, rows.pick))
+        return self.t.sample
 
     def conv_index(self, width: int) -> ConvIndex:
         """The halo indices of a short conv of this width (once per step and width)."""
