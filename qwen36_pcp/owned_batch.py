@@ -55,9 +55,10 @@ class OwnedBatch:
 
         Nothing is put back: in 0.20.2 the next ``_prepare_inputs`` rewrites each of these buffers
         before anything reads it (query starts and sequence lengths whole, block-table rows up to its
-        batch's size: rows past it are stale in vLLM too, slots up to its tokens), and after the
+        batch's size: rows past it are stale in vLLM too, the slot mapping whole), and after the
         forward only pooling and speculative decoding read them, both refused with
-        ``decode="spread"``. The one whole-batch value read after the forward, the slots of the
+        ``decode="spread"`` (prompt logprobs read the host's query starts, which stay the whole
+        batch's). The one whole-batch value read after the forward, the slots of the
         groups in ``keep_slots`` (``defer_cached_kv`` writes every rank's new K/V at them), is kept
         first (``whole_slots``). A step's sequence lengths are the host's (``num_computed_tokens``
         plus one: without speculative decoding vLLM's device copy is the host's)."""
