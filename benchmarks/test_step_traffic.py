@@ -110,6 +110,7 @@ def _spread_decode_step(rank, group, layers=3):
     from qwen36_pcp.layers.context import PCPContext
     from qwen36_pcp.owned_batch import defer_cached_kv
     from qwen36_pcp.plan import PCPPlan
+    from tests.layer_cases import exchange_slots
 
     s, reqs = SHAPE, 5
     plan = PCPPlan([40, 9, 3, 70, 12], [1] * reqs, group.world_size, rank, PCPConfig(decode="spread"),
@@ -119,7 +120,7 @@ def _spread_decode_step(rank, group, layers=3):
     cache = torch.zeros(2, 4, 8, s.kv_heads, s.head_dim)
     attention = [SimpleNamespace(kv_cache=cache, impl=SimpleNamespace(do_kv_cache_update=lambda *a: None))
                  for _ in range(layers)]
-    defer_cached_kv(ctx, attention, torch.arange(reqs))
+    defer_cached_kv(ctx, attention, exchange_slots(plan, torch.arange(reqs)))
     ctx.gather_output(torch.zeros(plan.t_pad, s.hidden), all_rows=False)
     modelled = step_traffic.attention(plan, s) * layers + step_traffic.output(plan, s, False, layers)
     return [(c.kind, c.nbytes, c.peer) for c in ctx.collectives], modelled

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from .layers.context import DeferredKV, PCPContext, to_device_all
-from .layers.split_attention import gathered_slots
 from .plan import PCPPlan
 
 
@@ -35,20 +34,22 @@ class OwnedBatch:
     tokens: np.ndarray  # [n] their rows (one new token each) in the whole batch
     num_rows: int  # the batch every rank runs: the most any rank owns, padded to a graph size
     eager: bool = False  # no graph: the padded batch would exceed the runner's request buffers
+    exchange_rows: np.ndarray | None = None  # ``kv_exchange_rows`` of the step's plan
     query_start_cpu: torch.Tensor | None = None  # the owned batch's query starts on the host
-    whole_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> the whole batch's slots
+    exchange_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> ``kv_exchange_slots``
 
     @classmethod
     def of(cls, plan: PCPPlan, num_rows: int, eager: bool = False) -> OwnedBatch:
         local = plan.local_segments
         return cls(np.array([s.req for s in local], dtype=np.int64),
-                   np.asarray(plan.local_full_idx[plan.rank][: len(local)], dtype=np.int64), int(num_rows), eager)
+                   np.asarray(plan.local_full_idx[plan.rank][: len(local)], dtype=np.int64), int(num_rows), eager,
+                   kv_exchange_rows(plan))
 
     @property
     def num_reqs(self) -> int:
         return len(self.reqs)
 
-    def write_heads(self, runner, num_tokens: int, keep_slots: Iterable[int] = ()) -> None:
+    def write_heads(self, runner, keep_slots: Iterable[int] = ()) -> None:
         """The owned requests' rows at the head of the runner's metadata buffers (``num_rows`` of
         them; the rows past ``num_reqs`` are padding: vLLM's metadata build fills their block-table
         rows with the null block, ``_get_slot_mappings`` their slots with -1).
@@ -58,10 +59,10 @@ class OwnedBatch:
         batch's size: rows past it are stale in vLLM too, the slot mapping whole), and after the
         forward only pooling and speculative decoding read them, both refused with
         ``decode="spread"`` (prompt logprobs read the host's query starts, which stay the whole
-        batch's). The one whole-batch value read after the forward, the slots of the
-        groups in ``keep_slots`` (``defer_cached_kv`` writes every rank's new K/V at them), is kept
-        first (``whole_slots``). A step's sequence lengths are the host's (``num_computed_tokens``
-        plus one: without speculative decoding vLLM's device copy is the host's)."""
+        batch's). The one whole-batch value read after the forward, the slots of the groups in
+        ``keep_slots`` where ``defer_cached_kv`` reads and writes the step's new K/V, is taken first
+        (``exchange_slots``). A step's sequence lengths are the host's (``num_computed_tokens`` plus
+        one: without speculative decoding vLLM's device copy is the host's)."""
         n, rows = self.num_reqs, self.num_rows
         device = runner.seq_lens.device
         tables = runner.input_batch.block_table.block_tables
@@ -74,9 +75,10 @@ class OwnedBatch:
         # (``query_starts``)
         starts = np.minimum(np.arange(rows + 1), n).astype(np.int32)
         self.query_start_cpu = torch.from_numpy(starts)
-        self.whole_slots = {g: tables[g].slot_mapping.gpu[:num_tokens].clone() for g in keep_slots}
-        reqs, tokens, starts_dev, lens_dev = to_device_all(device, self.reqs, self.tokens, (starts, torch.int32),
-                                                            (lens, torch.int32))
+        reqs, tokens, starts_dev, lens_dev, rows_dev, valid = to_device_all(
+            device, self.reqs, self.tokens, (starts, torch.int32), (lens, torch.int32),
+            self.exchange_rows.clip(min=0), (self.exchange_rows >= 0, torch.bool))
+        self.exchange_slots = {g: kv_exchange_slots(tables[g].slot_mapping.gpu, rows_dev, valid) for g in keep_slots}
         runner.query_start_loc.gpu[: rows + 1].copy_(starts_dev)
         runner.seq_lens[:rows].copy_(lens_dev)
         host[:rows] = lens
@@ -91,17 +93,33 @@ class OwnedBatch:
         return SimpleNamespace(gpu=buffer.gpu, cpu=self.query_start_cpu, np=self.query_start_cpu.numpy())
 
 
-def defer_cached_kv(ctx: PCPContext, layers: Iterable, slot_mapping: torch.Tensor) -> None:
+def kv_exchange_rows(plan: PCPPlan) -> np.ndarray:
+    """[(N + 1) x t_pad] batch rows of a spread decode step's K/V exchange: first this rank's rows
+    (their K/V read back from its cache; -1: padding), then every gathered row whose K/V this rank
+    writes (rank-major; -1: padding and this rank's own rows, which its model call wrote)."""
+    gathered = plan.gathered_full_idx()
+    own = slice(plan.rank * plan.t_pad, (plan.rank + 1) * plan.t_pad)
+    others = gathered.copy()
+    others[own] = -1
+    return np.concatenate([gathered[own], others])
+
+
+def kv_exchange_slots(slot_mapping: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The cache slots of ``kv_exchange_rows`` (``rows``: clipped at 0, ``valid``: not -1) in the whole
+    batch's ``slot_mapping``, -1 where there is no row."""
+    return torch.where(valid, slot_mapping.index_select(0, rows), -1)
+
+
+def defer_cached_kv(ctx: PCPContext, layers: Iterable, slots: torch.Tensor) -> None:
     """Each attention layer's new K/V of this rank's rows, read back from its cache (where the model
     call wrote it), to be written into the other ranks' caches by the step's output gather.
 
     ``layers``: vLLM ``Attention`` modules (their ``kv_cache``, [2, blocks, block_size, kv_heads,
-    head_dim] in any stride order, and their impl's ``do_kv_cache_update``); ``slot_mapping``: the
-    whole batch's (the same on every rank)."""
-    slots = gathered_slots(ctx, slot_mapping).view(ctx.world_size, -1)
-    mine = slots[ctx.rank].clamp(min=0)  # padding rows read slot 0; nobody writes them
-    others = torch.where(torch.arange(ctx.world_size, device=slots.device).view(-1, 1) == ctx.rank, -1,
-                         slots).view(-1)
+    head_dim] in any stride order, and their impl's ``do_kv_cache_update``); ``slots``: the step's
+    ``kv_exchange_slots``."""
+    t_pad = ctx.plan.t_pad
+    mine = slots[:t_pad].clamp(min=0)  # padding rows read slot 0; nobody writes them
+    others = slots[t_pad:]
     where: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block size -> (block, offset) of ``mine``
     for layer in layers:
         block_size = layer.kv_cache.shape[2]

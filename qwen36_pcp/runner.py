@@ -105,7 +105,7 @@ class PCPModelRunner(GPUModelRunner):
         self.draft_ctx = None  # set again by a split step whose drafter splits (_model_forward)
         plan, owned = self._plan(num_scheduled_tokens)
         if owned is not None:
-            owned.write_heads(self, plan.num_tokens, keep_slots=[g for g, _ in self._attention_layers_by_group()])
+            owned.write_heads(self, keep_slots=[g for g, _ in self._attention_layers_by_group()])
         self.pcp_step = PCPStep(plan, logits_indices, owned)
         return logits_indices, spec_decode_metadata
 
@@ -226,8 +226,8 @@ class PCPModelRunner(GPUModelRunner):
                        **model_kwargs):
         """A spread decode step: vLLM's forward of the batch of this rank's own requests (no PCP
         context: the layers run as at pcp == 1, in vLLM's CUDA graph of that batch), then one
-        all-gather of every rank's sampled rows and new K/V (written at the whole batch's slots, kept
-        by ``OwnedBatch.write_heads``).
+        all-gather of every rank's sampled rows and new K/V (at the whole batch's slots, taken by
+        ``OwnedBatch.write_heads``).
 
         vLLM hands the model the head of its input buffers (``num_rows`` rows: a graph replays what
         it read at capture, those heads); the owned requests' ids, positions and embeddings are
@@ -248,7 +248,7 @@ class PCPModelRunner(GPUModelRunner):
             hidden = torch.zeros(owned.num_rows, self.model_config.get_hidden_size(), dtype=self.dtype,
                                  device=self.device)
         for gid, layers in self._attention_layers_by_group():
-            defer_cached_kv(ctx, layers, owned.whole_slots[gid])
+            defer_cached_kv(ctx, layers, owned.exchange_slots[gid])
         out = ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
         self._share_filled_state_blocks(plan)
         return out

@@ -11,7 +11,7 @@ from qwen36_pcp.config import PCPConfig
 from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.plan import PCPPlan
 
-from .layer_cases import kv_layout
+from .layer_cases import exchange_slots, kv_layout
 
 KVH, D, BS = 2, 16, 8
 
@@ -49,7 +49,7 @@ def _step(rank, group, layers=3):
         write_kv(kv_of(layer, mine), -kv_of(layer, mine), cache, slot_mapping[mine])  # the model call's
         attention.append(SimpleNamespace(kv_cache=cache, impl=SimpleNamespace(
             do_kv_cache_update=lambda lay, k, v, c, slots: write_kv(k, v, c, slots))))
-    defer_cached_kv(ctx, attention, slot_mapping)
+    defer_cached_kv(ctx, attention, exchange_slots(plan, slot_mapping))
     rows = torch.from_numpy(plan.local_full_idx[rank]).clamp(min=0)
     hidden = (rows.view(-1, 1) * 10 + torch.arange(8)).to(torch.bfloat16)
     last = ctx.gather_output(hidden, all_rows=False)
