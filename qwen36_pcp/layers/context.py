@@ -40,7 +40,7 @@ def to_device_all(device: torch.device | str, *arrays) -> list[torch.Tensor]:
     result is at most two tensor calls (a slice and its dtype), because every tensor call is host
     time a step pays. Each item is an array (sent as int64) or ``(array, dtype)``; the results are
     views of one device buffer, each starting 16-byte aligned."""
-    hosts = [np.ascontiguousarray(a, dtype=_numpy_dtype(dtype))
+    hosts = [np.ascontiguousarray(a, dtype=_NUMPY_DTYPES[dtype])
              for a, dtype in (item if isinstance(item, tuple) else (item, torch.int64) for item in arrays)]
     starts, total = [], 0
     for h in hosts:
@@ -63,8 +63,7 @@ _TORCH_DTYPES = {np.dtype(n): t for n, t in (("int64", torch.int64), ("int32", t
                                               ("uint8", torch.uint8), ("float32", torch.float32))}
 
 
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return next(n for n, t in _TORCH_DTYPES.items() if t == dtype)
+_NUMPY_DTYPES = {t: n for n, t in _TORCH_DTYPES.items()}
 
 
 @dataclass
