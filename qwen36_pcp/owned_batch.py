@@ -34,7 +34,7 @@ class OwnedBatch:
     tokens: np.ndarray  # [n] their rows (one new token each) in the whole batch
     num_rows: int  # the batch every rank runs: the most any rank owns, padded to a graph size
     eager: bool = False  # no graph: the padded batch would exceed the runner's request buffers
-    exchange_rows: np.ndarray | None = None  # ``kv_exchange_rows`` of the step's plan
+    exchange_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # ``kv_exchange_rows``
     query_start_cpu: torch.Tensor | None = None  # the owned batch's query starts on the host
     exchange_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> ``kv_exchange_slots``
 
@@ -118,6 +118,9 @@ def defer_cached_kv(ctx: PCPContext, layers: Iterable, slots: torch.Tensor) -> N
     head_dim] in any stride order, and their impl's ``do_kv_cache_update``); ``slots``: the step's
     ``kv_exchange_slots``."""
     t_pad = ctx.plan.t_pad
+    if slots.numel() != (ctx.world_size + 1) * t_pad:
+        raise ValueError(f"{slots.numel()} slots for a K/V exchange of (N + 1) x t_pad = "
+                         f"{(ctx.world_size + 1) * t_pad} rows (kv_exchange_slots)")
     mine = slots[:t_pad].clamp(min=0)  # padding rows read slot 0; nobody writes them
     others = slots[t_pad:]
     where: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block size -> (block, offset) of ``mine``

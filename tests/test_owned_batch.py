@@ -68,3 +68,28 @@ def _step(rank, group, layers=3):
 def test_cached_kv_rides_in_the_output_gather(world_size):
     for rank, out in enumerate(run_distributed(_step, world_size)):
         assert out["collectives"] == 1 and out["sampled"] and all(out["caches"]), (rank, out)
+
+
+def test_exchange_slots_are_the_gathered_slots_of_each_rank_and_of_the_others():
+    """``kv_exchange_slots`` (built on the host) against ``split_attention.gathered_slots`` (on the
+    device) on random spread decode plans, ranks owning none and padded batches included: first this
+    rank's slots, then every rank's with this rank's own rows and padding -1."""
+    from types import SimpleNamespace
+
+    from qwen36_pcp.layers.split_attention import gathered_slots
+
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n, b = int(rng.integers(2, 9)), int(rng.integers(1, 40))
+        owner = rng.integers(0, n, b) if rng.random() < 0.7 else np.full(b, rng.integers(0, n))
+        most = int(np.bincount(owner, minlength=n).max())
+        slot_mapping = torch.from_numpy(rng.integers(0, 10**6, b + 7))
+        for rank in range(n):
+            plan = PCPPlan(rng.integers(1, 5000, b), np.ones(b, dtype=np.int64), n, rank, PCPConfig(decode="spread"),
+                           owner, min_rows=most + int(rng.integers(0, 9)))
+            ctx = PCPContext(plan, SimpleNamespace(world_size=n, rank_in_group=rank), "cpu")
+            every = gathered_slots(ctx, slot_mapping[:b]).view(n, -1)
+            slots = exchange_slots(plan, slot_mapping)
+            assert torch.equal(slots[: plan.t_pad], every[rank])
+            every[rank] = -1
+            assert torch.equal(slots[plan.t_pad:], every.view(-1))
