@@ -20,7 +20,8 @@ stopped adds to the host's time, where vLLM's async scheduling on a GPU of its o
 behind it; those waits are timed too, and a second table gives lower bounds with the host's work
 hidden: per rank max(host busy, GPU work left).
 Each rank also records the kind of every step (``owned_full``: a spread decode step through vLLM's
-FULL graph of its own requests). Prints a table, writes JSON and a PNG:
+FULL graph of its own requests) and its host's time by phase over the measured steps (vLLM's and the
+plugin's runner steps, host busy, no profiler: ``host_phases``). Prints a table, writes JSON and a PNG:
 
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread            # one GPU, ~8 min
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread --report-only
@@ -75,6 +76,7 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too."""
     from vllm import SamplingParams
 
+    from benchmarks.host_phases import host_phases, start_host_phases
     from benchmarks.profile_host import start_worker_profile, stop_worker_profile
     from harness.shared_gpu import turn_counters
 
@@ -104,11 +106,14 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                 break
             for _ in range(WARMUP):
                 engine.step()
+            llm.collective_rpc(start_host_phases)
             marks = [llm.collective_rpc(turn_counters)]
             for _ in range(STEPS):
                 engine.step()
                 marks.append(llm.collective_rpc(turn_counters))
             point = per_step_medians(marks)
+            point["phases_ms"] = [{k: ms / STEPS for k, (ms, _) in r.items()}
+                                  for r in llm.collective_rpc(host_phases)]
             out[f"{context}/{batch}"] = point
             print(f"[{config}] L={context} B={batch}: turn {max(point['turn_ms']):.2f} ms per rank (max of the "
                   f"ranks' medians)", flush=True)
@@ -275,6 +280,34 @@ def hidden_host_ms(point: dict, collective_ms: float = 0.0) -> float:
     return max(max(h, d + collective_ms) for h, d in zip(point["host_ms"], point["drain_ms"]))
 
 
+PHASE_BATCHES = (1, 8, 64)
+
+
+def phase_lines(data: dict, keys: list[str]) -> list[str]:
+    """The host's time by phase (``host_phases``), ms per step (the mean over the measured steps), the
+    largest of the ranks', at the first context and ``PHASE_BATCHES``: one column per config."""
+    configs = [c for c in data if any("phases_ms" in data[c].get(k, {}) for k in keys)]
+    if not configs:
+        return []
+    context = min(int(k.split("/")[0]) for k in keys)
+    lines = ["", f"host time by phase (ms per step, mean over {STEPS} steps, the largest of the ranks'; inclusive: "
+             "a phase holds the phases it calls; host busy: the waits for the GPU, the collectives' copies and the "
+             f"waits for the other ranks left out; benchmarks/host_phases.py), {context}-token contexts"]
+    for batch in PHASE_BATCHES:
+        key = f"{context}/{batch}"
+        per = {c: data[c][key]["phases_ms"] for c in configs if "phases_ms" in data[c].get(key, {})}
+        if not per:
+            continue
+        labels = sorted({label for ranks in per.values() for r in ranks for label in r},
+                        key=lambda label: -max(r.get(label, 0.0) for ranks in per.values() for r in ranks))
+        lines.append(f"{'B=' + str(batch):>6} {'phase':48s} " + " ".join(f"{c:>12}" for c in per))
+        for label in labels:
+            cells = [max((r.get(label) for r in ranks if label in r), default=None) for ranks in per.values()]
+            lines.append(f"{'':6} {label:48s} " + " ".join(f"{v:12.3f}" if v is not None else f"{'-':>12}"
+                                                            for v in cells))
+    return lines
+
+
 def report(out: str) -> dict:
     """The table (``table.txt``) and plot. Per point, replicated: pcp=1's turn time; spreadN: the slowest
     rank's turn time less its collectives' copies through host memory (``own_ms``; where a run has
@@ -398,6 +431,7 @@ def report(out: str) -> dict:
             top = list(funcs.items())[:HOST_PROFILE_TOP]
             lines.append(f"host Python of {config} rank{rank} under cProfile, cumulative ms per step: "
                          + ", ".join(f"{k} {v:.2f}" for k, v in top))
+    lines += phase_lines(data, keys)
     kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
     if kinds:
         lines.append("model forwards by kind, per rank (whole: unsplit; owned_<graph mode>: a spread decode "

@@ -15,6 +15,7 @@ the K/V read back and written, the output gather.
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,7 +61,6 @@ def count_step(rank: int, group, batch: int) -> dict:
     """The calls of this rank's spread decode step of ``batch`` requests (the third of three, so that
     anything built once is built), by function and call name."""
     from vllm.config import CUDAGraphMode
-    from vllm.forward_context import ForwardContext, override_forward_context
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from tests import test_runner as stand_in
@@ -85,30 +85,40 @@ def count_step(rank: int, group, batch: int) -> dict:
     for _, layers in runner._attention_groups:
         for layer in layers:
             layer.impl = SimpleNamespace(do_kv_cache_update=uncounted(layer.impl.do_kv_cache_update))
-    req_ids, num_new = [f"r{i}" for i in range(batch)], np.ones(batch, dtype=np.int32)
     for step in range(3):
-        computed = np.array([100 + 3 * i + step for i in range(batch)])
-        runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=computed,
-                                             num_prompt_tokens=np.full(batch, 50),
-                                             block_table=stand_in._BlockTables())
-        runner.requests = {r: SimpleNamespace(num_tokens=200, block_ids=([], [])) for r in req_ids}
-        runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
         counter.calls.clear()
-        with counter:
-            runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
-            mode, desc, *_ = runner._determine_batch_execution_and_padding(
-                num_tokens=batch, num_reqs=batch, num_scheduled_tokens_np=num_new, max_num_scheduled_tokens=1,
-                use_cascade_attn=False)
-            rows = desc.num_tokens
-            runner._get_slot_mappings(num_tokens_padded=rows, num_reqs_padded=rows, num_tokens_unpadded=batch)
-            runner._build_attention_metadata(num_tokens=batch, num_reqs=batch, max_query_len=1,
-                                             num_tokens_padded=rows, num_reqs_padded=rows)
-            context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
-                                     cudagraph_runtime_mode=mode, batch_descriptor=desc)
-            with override_forward_context(context):
-                runner._model_forward(input_ids=runner.input_ids.gpu[:rows], positions=runner.positions[:rows])
-        runner.pcp_step = None
+        spread_decode_step(runner, batch, step, around=counter)
     return {f"{where} {name}": n for (where, name), n in counter.calls.items()}
+
+
+def spread_decode_step(runner, batch: int, step: int, around=None) -> None:
+    """Step ``step`` of ``batch`` requests decoding through the stand-in runner, as vLLM's
+    ``execute_model`` calls the runner's parts (inputs, dispatch, slots, metadata, the model), those
+    calls inside the context manager ``around``; the requests' state set before it."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from tests import test_runner as stand_in
+
+    req_ids, num_new = [f"r{i}" for i in range(batch)], np.ones(batch, dtype=np.int32)
+    computed = np.array([100 + 3 * i + step for i in range(batch)])
+    runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=computed,
+                                         num_prompt_tokens=np.full(batch, 50), block_table=stand_in._BlockTables())
+    runner.requests = {r: SimpleNamespace(num_tokens=200, block_ids=([], [])) for r in req_ids}
+    runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
+    with around if around is not None else contextlib.nullcontext():
+        runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
+        mode, desc, *_ = runner._determine_batch_execution_and_padding(
+            num_tokens=batch, num_reqs=batch, num_scheduled_tokens_np=num_new, max_num_scheduled_tokens=1,
+            use_cascade_attn=False)
+        rows = desc.num_tokens
+        runner._get_slot_mappings(num_tokens_padded=rows, num_reqs_padded=rows, num_tokens_unpadded=batch)
+        runner._build_attention_metadata(num_tokens=batch, num_reqs=batch, max_query_len=1,
+                                         num_tokens_padded=rows, num_reqs_padded=rows)
+        context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
+                                 cudagraph_runtime_mode=mode, batch_descriptor=desc)
+        with override_forward_context(context):
+            runner._model_forward(input_ids=runner.input_ids.gpu[:rows], positions=runner.positions[:rows])
+    runner.pcp_step = None
 
 
 def summarize(calls: dict) -> dict:

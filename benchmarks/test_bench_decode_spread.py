@@ -94,3 +94,17 @@ def test_report_reads_each_ranks_own_step(tmp_path):
                                                 "own_ms": [2.5, 4.5]}})
     row = bench.report(str(tmp_path))["rows"][0]
     assert row["spread2_ms"] == pytest.approx(4.5 + bench.collectives_ms(2, 1))
+
+
+def test_report_gives_the_host_phases_largest_of_the_ranks(tmp_path):
+    phases = {"pcp1": [{"GPUModelRunner.execute_model": 2.0}],
+              "pcp2_spread": [{"GPUModelRunner.execute_model": 5.0, "OwnedBatch.write_heads": 0.25},
+                              {"GPUModelRunner.execute_model": 6.5, "OwnedBatch.write_heads": 0.125}]}
+    for config, ranks in phases.items():
+        _write(tmp_path, config, {"4096/1": {"turn_ms": [4.0] * len(ranks), "phases_ms": ranks}})
+    bench.report(str(tmp_path))
+    lines = (tmp_path / "table.txt").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("host time by phase"))
+    assert lines[head + 1].split() == ["B=1", "phase", "pcp1", "pcp2_spread"]
+    assert lines[head + 2].split() == ["GPUModelRunner.execute_model", "2.000", "6.500"]
+    assert lines[head + 3].split() == ["OwnedBatch.write_heads", "-", "0.250"]

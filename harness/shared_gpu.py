@@ -136,6 +136,17 @@ class Turns:
         return staged
 
 
+def host_busy_s() -> float:
+    """This rank's host busy inside its turns so far (``turn - staging - drain`` of ``turn_counters``,
+    the turn it holds now counted up to this moment): the difference of two readings is the host's own
+    time between them, its waits for the GPU, its collectives' copies and its waits for the other ranks
+    left out. Without turns: the wall clock."""
+    if Turns.fd is None:
+        return time.perf_counter()
+    held = Turns.held_s + (time.perf_counter() - Turns._since if Turns.held else 0.0)
+    return held - Turns.staged_s - Turns.drained_s
+
+
 def _synchronize() -> None:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -88,8 +88,8 @@ def test_ranks_taking_turns_never_work_at_once(tmp_path, turns):
 def test_a_turn_times_its_waits_for_the_gpu(tmp_path, monkeypatch):
     """A turn's waits for the GPU (each 20 ms here: before a collective's copies, where it gives up the
     GPU inside the collective, and at the turn's end) are timed as ``drain``, apart from the copies
-    (``staging``: 2 x 5 ms and the wait after them, not the pause) and from the host's own 30 ms; a
-    collective outside a turn counts nowhere."""
+    (``staging``: 2 x 5 ms and the wait after them, not the pause) and from the host's own 30 ms, which
+    ``host_busy_s`` read inside the turn gives too; a collective outside a turn counts nowhere."""
     from harness import shared_gpu
 
     monkeypatch.setattr(shared_gpu, "_synchronize", lambda: time.sleep(0.02))
@@ -106,8 +106,10 @@ def test_a_turn_times_its_waits_for_the_gpu(tmp_path, monkeypatch):
             time.sleep(0.005)
 
         with shared_gpu.Turns.turn():
+            busy0 = shared_gpu.host_busy_s()
             time.sleep(0.03)
             shared_gpu.Turns.staging(collective)()
+            busy = shared_gpu.host_busy_s() - busy0  # read inside the turn: its host busy so far
         shared_gpu.Turns.staging(collective)()
         c = shared_gpu.turn_counters()
     finally:
@@ -115,3 +117,4 @@ def test_a_turn_times_its_waits_for_the_gpu(tmp_path, monkeypatch):
     assert 0.058 < c["drain"] < 0.08, c
     assert 0.028 < c["staging"] < 0.045, c
     assert 0.028 < c["turn"] - c["staging"] - c["drain"] < 0.045, c
+    assert 0.028 < busy < 0.045, busy

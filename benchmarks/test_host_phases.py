@@ -1,0 +1,43 @@
+"""The host-phase timers of the decode benchmark: on the runner's real spread step (the CPU stand-in of
+``tests/test_runner.py`` on 2 gloo ranks) every phase is timed once per step under the label of the
+class that defines it, and a phase holds the phases it calls."""
+
+from __future__ import annotations
+
+from harness.dist import run_distributed
+
+STEPS = 3
+
+
+def _timed_spread_steps(rank, group):
+    from vllm.config import CUDAGraphMode
+
+    from benchmarks import host_phases
+    from benchmarks.spread_host_ops import spread_decode_step
+    from tests import test_runner as stand_in
+
+    runner = stand_in._spread_runner(group, rank, [], {})
+    stand_in._graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
+    host_phases.start_host_phases()  # after the stand-in's parts took the place of vLLM's: they are timed
+    for step in range(STEPS):
+        spread_decode_step(runner, 8, step)
+    return host_phases.host_phases()
+
+
+def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases_it_calls():
+    for phases in run_distributed(_timed_spread_steps, 2):
+        once = ("PCPModelRunner._prepare_inputs", "GPUModelRunner._prepare_inputs", "PCPModelRunner._plan",
+                "OwnedBatch.write_heads", "GPUModelRunner._determine_batch_execution_and_padding",
+                "GPUModelRunner._build_attention_metadata", "PCPModelRunner._model_forward",
+                "PCPModelRunner._owned_forward", "GPUModelRunner._model_forward", "PCPContext.__init__",
+                "runner.defer_cached_kv", "PCPContext.gather_output")
+        assert {label: phases[label][1] for label in once} == dict.fromkeys(once, STEPS), phases
+        ms = {label: v[0] for label, v in phases.items()}
+        assert all(v > 0 for v in ms.values()), ms
+        # inclusive: the plugin's input preparation holds vLLM's, the plan and the heads; its owned
+        # forward holds the model call, the K/V read back and the gather
+        assert ms["PCPModelRunner._prepare_inputs"] >= (ms["GPUModelRunner._prepare_inputs"] + ms["PCPModelRunner._plan"]
+                                                        + ms["OwnedBatch.write_heads"])
+        assert ms["PCPModelRunner._owned_forward"] >= (ms["GPUModelRunner._model_forward"] + ms["runner.defer_cached_kv"]
+                                                       + ms["PCPContext.gather_output"])
+        assert ms["PCPModelRunner._model_forward"] >= ms["PCPModelRunner._owned_forward"]
