@@ -25,6 +25,8 @@ plugin's runner steps, host busy, no profiler: ``host_phases``). Prints a table,
 
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread            # one GPU, ~8 min
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread --report-only
+    python benchmarks/bench_decode_spread.py --out /tmp/ds_long --shared-prefix --contexts 4096 32768 131072 \
+        --batches 1 8 64   # long contexts: one shared prompt per context from the prefix cache
     python benchmarks/bench_decode_spread.py --out /tmp/ds_profile --configs pcp2_spread pcp1_piecewise \
         --contexts 4096 --profile      # where a step's time goes: torch profiler traces, per rank
 
@@ -55,7 +57,11 @@ SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated
 CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4, "pcp1_piecewise": 1}  # -> ranks
 DEFAULT_CONFIGS = ("pcp1", "pcp2_spread", "pcp4_spread")
 # context -> batch sizes
-SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16)}
+SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16), 32768: (1, 8, 64), 131072: (1, 8, 64)}
+DEFAULT_CONTEXTS = (4096, 16384)
+# --shared-prefix: every request of a context is one shared prompt of all but its last TAIL tokens, read
+# from vLLM's prefix cache after one prefill of its own
+TAIL = 64
 STEPS, WARMUP = 24, 4
 PROFILE_POINT, PROFILE_STEPS = (4096, 16), 8
 HOST_PROFILE_TOP = 25
@@ -71,9 +77,36 @@ def engine_args(config: str) -> dict:
     return args
 
 
-def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | None = None) -> None:
+def prompt_ids(context: int, request: int, shared_prefix: bool) -> list[int]:
+    """Request ``request``'s ``context`` prompt tokens; with ``shared_prefix`` all but the last ``TAIL``
+    are the same for every request of that context (and ids 10.. keep off the special tokens)."""
+    def ids(i, lo, hi):
+        return [(i * 131 + j * 7919) % 200000 + 10 for j in range(lo, hi)]
+
+    if not shared_prefix:
+        return ids(request, 0, context)
+    return ids(0, 0, context - TAIL) + ids(request + 1, context - TAIL, context)
+
+
+def run_until_first_tokens(engine, started: set[str]) -> bool:
+    """Step until every request in ``started`` has its first token (False: the KV cache does not
+    hold them all within ``MAX_PREFILL_STEPS`` steps)."""
+    decoded: set[str] = set()
+    for _ in range(MAX_PREFILL_STEPS):
+        decoded |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+        if decoded >= started:
+            return True
+    return False
+
+
+def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | None = None,
+            shared_prefix: bool = False) -> None:
     """{"L/B": {"turn_ms": [per rank], "wall_ms": ms}} into ``path`` after each point; with
-    ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too."""
+    ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too. With
+    ``shared_prefix`` (prefix caching on) each context's shared prompt is prefilled once, alone, and
+    every request then reads it from the cache: long contexts for many requests in little KV memory and
+    prefill time (the requests' attention reads their context's K/V as distinct contexts would, from
+    the same blocks)."""
     from vllm import SamplingParams
 
     from benchmarks.host_phases import host_phases, start_host_phases
@@ -84,24 +117,23 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     # bench_ttft's pcp1 engine, made this config's by engine_args (its pcp size, the shared GPU)
     llm = bench_ttft.engine(model, "pcp1", longest, compiled=True, max_num_batched_tokens=32768,
                             max_num_seqs=max(max(b) for b in sweep.values()),
-                            max_model_len=longest + 2048, **engine_args(config), **bench_ttft.profiler_args(trace_dir))
+                            max_model_len=longest + 2048, enable_prefix_caching=shared_prefix, **engine_args(config),
+                            **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
-    out: dict = {"config": config}
+    out: dict = {"config": config, "shared_prefix": shared_prefix}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
         started: set[str] = set()
+        if shared_prefix:  # the shared prompt into the cache first, so that every request hits it
+            engine.add_request(f"{context}-prefix", {"prompt_token_ids": prompt_ids(context, -1, True)},
+                               SamplingParams(max_tokens=1))
+            run_until_first_tokens(engine, {f"{context}-prefix"})
         for batch in batches:
             for i in range(len(started), batch):
                 rid = f"{context}-{i}"
-                engine.add_request(rid, {"prompt_token_ids": [(i * 131 + j * 7919) % 200000 + 10
-                                                              for j in range(context)]}, sp)
+                engine.add_request(rid, {"prompt_token_ids": prompt_ids(context, i, shared_prefix)}, sp)
                 started.add(rid)
-            decoded: set[str] = set()
-            for _ in range(MAX_PREFILL_STEPS):  # until every request has its first token
-                decoded |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
-                if decoded == started:
-                    break
-            else:  # the KV cache does not hold them all: the others wait
+            if not run_until_first_tokens(engine, started):  # the others wait
                 print(f"[{config}] L={context} B={batch}: not all requests running, stopping at this context")
                 break
             for _ in range(WARMUP):
@@ -370,8 +402,11 @@ def report(out: str) -> dict:
                 "on NVLink (modelled)" if staged else
                 "its turn time + the collective on NVLink (modelled): an upper bound, the turn holding the "
                 "collective's copies through host memory (this run did not time them)")
+    shared = any(d.get("shared_prefix") for d in data.values())
     lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {LAYERS} layers, dummy weights, "
-             "compiled with CUDA graphs, one H200, ranks taking turns",
+             "compiled with CUDA graphs, one H200, ranks taking turns"
+             + (f"; prefix caching on, each context's requests one shared prompt but their last {TAIL} tokens "
+                "(--shared-prefix)" if shared else ""),
              "replicated: pcp=1's step (measured turn time; every rank of a replicated decode runs it); "
              + ("piecewise: pcp=1 with vLLM's PIECEWISE graphs alone (measured); " if with_piecewise else "")
              + f"spreadN turn: the slowest rank's turn time (measured); spreadN: its step on a GPU of its own = "
@@ -465,7 +500,7 @@ def report(out: str) -> dict:
     return {"rows": rows, "fits": fits}
 
 
-def child(config: str, model: str, out: str, sweep: dict, profile: bool = False) -> None:
+def child(config: str, model: str, out: str, sweep: dict, profile: bool = False, shared_prefix: bool = False) -> None:
     from harness.shared_gpu import STEPS_ENV
 
     from harness.shared_gpu import read_step_kinds
@@ -476,7 +511,7 @@ def child(config: str, model: str, out: str, sweep: dict, profile: bool = False)
     os.environ[STEPS_ENV] = str(steps)  # each rank records the kind of each step
     path = str(Path(out) / f"{config}.json")
     trace_dir = str(Path(out) / f"{config}_traces") if profile else None
-    measure(model, config, sweep, path, trace_dir)
+    measure(model, config, sweep, path, trace_dir, shared_prefix)
     data = json.loads(Path(path).read_text())
     if trace_dir:
         data["profile"] = summarize_profile(trace_dir)
@@ -488,7 +523,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/decode_spread")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS))
-    parser.add_argument("--contexts", type=int, nargs="+", choices=list(SWEEP), default=list(SWEEP))
+    parser.add_argument("--contexts", type=int, nargs="+", choices=list(SWEEP), default=list(DEFAULT_CONTEXTS),
+                        help="past 16384 tokens with --shared-prefix (else the contexts outgrow the KV cache)")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help=f"each context's requests share all but their last {TAIL} prompt tokens (prefix "
+                             "caching on; see measure)")
     parser.add_argument("--batches", type=int, nargs="+", help="only these batch sizes of the sweep")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
@@ -499,14 +538,15 @@ def main():
     if args.profile and PROFILE_POINT[1] not in sweep.get(PROFILE_POINT[0], ()):
         parser.error(f"--profile profiles the point L={PROFILE_POINT[0]}, B={PROFILE_POINT[1]}: keep that context")
     if args.child:
-        child(*args.child, args.out, sweep, args.profile)
+        child(*args.child, args.out, sweep, args.profile, args.shared_prefix)
         return
     if not args.report_only:
         model = bench_ttft.checkpoint(args.out, layers=LAYERS)
         for config in args.configs:
             argv = [__file__, "--out", args.out, "--contexts", *map(str, args.contexts),
                     *(["--batches", *map(str, args.batches)] if args.batches else []),
-                    *(["--profile"] if args.profile else []), "--child", config, model]
+                    *(["--profile"] if args.profile else []), *(["--shared-prefix"] if args.shared_prefix else []),
+                    "--child", config, model]
             bench_ttft.run_child(argv, str(Path(args.out) / f"{config}.log"), "race_free", in_process=True,
                                  turns_lock=str(Path(args.out) / "turns.lock"))
     report(args.out)

@@ -108,3 +108,19 @@ def test_report_gives_the_host_phases_largest_of_the_ranks(tmp_path):
     assert lines[head + 1].split() == ["B=1", "phase", "pcp1", "pcp2_spread"]
     assert lines[head + 2].split() == ["GPUModelRunner.execute_model", "2.000", "6.500"]
     assert lines[head + 3].split() == ["OwnedBatch.write_heads", "-", "0.250"]
+
+
+def test_shared_prefix_prompts_differ_only_in_their_tails():
+    a, b = (bench.prompt_ids(4096, i, shared_prefix=True) for i in (0, 1))
+    cut = 4096 - bench.TAIL
+    assert len(a) == len(b) == 4096 and a[:cut] == b[:cut] and a[cut:] != b[cut:]
+    assert bench.prompt_ids(4096, -1, shared_prefix=True)[:cut] == a[:cut]  # the prefix request's
+    c, d = (bench.prompt_ids(4096, i, shared_prefix=False) for i in (0, 1))
+    assert c[:8] != d[:8] and min(c + d) >= 10
+
+
+def test_a_shared_prefix_run_says_so(tmp_path):
+    (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "shared_prefix": True,
+                                                   "32768/1": {"turn_ms": [4.0]}}))
+    bench.report(str(tmp_path))
+    assert "--shared-prefix" in (tmp_path / "table.txt").read_text().splitlines()[0]
