@@ -9,7 +9,9 @@ it up (its kernels finished) while it waits in a collective, so the time it hold
 its **turn time**, is its own step on a GPU of its own, host included, collectives left out.
 
 Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: the whole batch),
-``pcp2_spread``, ``pcp4_spread``. Each point: B requests of L context tokens decoding together, the
+``pcp2_spread``, ``pcp4_spread``, and the control ``pcp2_replicated`` / ``pcp4_replicated``: pcp=1's
+step on every rank plus one gather of the sampled rows, whose turns against pcp=1's show what taking
+turns adds to a step of more than one rank (``control_lines``). Each point: B requests of L context tokens decoding together, the
 median over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). A spread rank's
 turn holds its collective's copies through host memory, which NCCL between GPUs does not make; the
 shared GPU's communicator times them (``turn_counters``: the GPU drained first, the wait for the
@@ -54,7 +56,11 @@ from benchmarks.plot import log2_axes, save_figure  # noqa: E402
 LAYERS = 8
 ATTENTION_LAYERS = LAYERS // 4
 SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated: a quick prefill here
-CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4, "pcp1_piecewise": 1}  # -> ranks
+# the control: replicated decode at pcp > 1 is pcp=1's step plus one gather of the sampled rows, so its
+# turns against pcp=1's show what taking turns on the shared GPU adds to a step of more than one rank
+REPLICATED = {"decode": "replicated", "min_split_tokens": 1 << 20}
+CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4, "pcp1_piecewise": 1, "pcp2_replicated": 2,
+           "pcp4_replicated": 4}  # -> ranks
 DEFAULT_CONFIGS = ("pcp1", "pcp2_spread", "pcp4_spread")
 # context -> batch sizes
 SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16), 32768: (1, 8, 64), 131072: (1, 8, 64)}
@@ -71,7 +77,7 @@ def engine_args(config: str) -> dict:
     ranks = CONFIGS[config]
     args = dict(prefill_context_parallel_size=ranks, **bench_ttft.shared_gpu_args(ranks))
     if ranks > 1:
-        args["additional_config"] = {"qwen36_pcp": SPREAD}
+        args["additional_config"] = {"qwen36_pcp": REPLICATED if config.endswith("_replicated") else SPREAD}
     if config == "pcp1_piecewise":  # vLLM's PIECEWISE graphs alone (attention and GDN eager between them)
         args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     return args
@@ -315,6 +321,33 @@ def hidden_host_ms(point: dict, collective_ms: float = 0.0) -> float:
 PHASE_BATCHES = (1, 8, 64)
 
 
+def control_lines(base: dict, control: dict, keys: list[str]) -> list[str]:
+    """Replicated decode at pcp=N (``pcpN_replicated``) against pcp=1: the slowest rank's turn and host
+    busy (medians), which differ from pcp=1's by what taking turns adds (a rank that waits in a
+    collective resumes on a host the other ranks ran on) and by one gather of the sampled rows."""
+    if not control:
+        return []
+    ns = sorted(control)
+
+    def cell(d, key):
+        p = d.get(key, {})
+        if "turn_ms" not in p:
+            return f"{'-':>14}"
+        host = f"{max(p['host_ms']):5.2f}" if "host_ms" in p else "    -"
+        return f"{max(p['turn_ms']):7.2f} {host} "
+
+    lines = ["", "control: replicated decode at pcp=N on the same shared GPU (pcp=1's step + one gather of the "
+             "sampled rows): the slowest rank's turn and host busy (ms, medians), against pcp=1's",
+             f"{'context':>8} {'B':>3} {'pcp1 turn host':>15} " + " ".join(f"{f'pcp{n} turn host':>15}" for n in ns)]
+    for key in keys:
+        if not any(key in control[n] for n in ns):
+            continue
+        context, batch = key.split("/")
+        lines.append(f"{context:>8} {batch:>3} {cell(base, key):>15} " + " ".join(f"{cell(control[n], key):>15}"
+                                                                                 for n in ns))
+    return lines
+
+
 def phase_lines(data: dict, keys: list[str]) -> list[str]:
     """The host's time by phase (``host_phases``), ms per step (the mean over the measured steps), the
     largest of the ranks', at the first context and ``PHASE_BATCHES``: one column per config."""
@@ -350,7 +383,8 @@ def report(out: str) -> dict:
     data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
             if (Path(out) / f"{c}.json").exists()}
     base, piecewise = data.get("pcp1", {}), data.get("pcp1_piecewise", {})
-    spread = {CONFIGS[c]: d for c, d in data.items() if CONFIGS[c] > 1}
+    spread = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_spread")}
+    control = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_replicated")}
     ns = sorted(spread)
     keys = sorted({k for d in data.values() for k in d if "/" in k}, key=lambda k: tuple(map(int, k.split("/"))))
     rows, staged = [], all("own_ms" in d[k] for d in spread.values() for k in d if "/" in k)
@@ -466,6 +500,7 @@ def report(out: str) -> dict:
             top = list(funcs.items())[:HOST_PROFILE_TOP]
             lines.append(f"host Python of {config} rank{rank} under cProfile, cumulative ms per step: "
                          + ", ".join(f"{k} {v:.2f}" for k, v in top))
+    lines += control_lines(base, control, keys)
     lines += phase_lines(data, keys)
     kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
     if kinds:

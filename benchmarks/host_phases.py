@@ -10,12 +10,17 @@ time. Phases nest (``execute_model`` holds ``_prepare_inputs``, which holds ``_p
 inclusive, and a label names the class that defines the function, so vLLM's ``_prepare_inputs`` and
 the plugin's override around it are two rows.
 
+Python's garbage collections are timed too, by generation (``gc.callbacks``; ``gc gen<g>``): vLLM
+freezes the heap in the engine core but not in its workers, so a worker's collections traverse what
+its step allocated and, for the oldest generation, the whole model's objects.
+
 ``start_host_phases`` / ``host_phases`` are ``collective_rpc`` targets (``bench_decode_spread``).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import time
 
@@ -58,13 +63,27 @@ def timed(label: str, fn, clock):
     return call
 
 
+_gc_started = [0.0]
+
+
+def _time_collection(phase: str, info: dict) -> None:
+    """A ``gc.callbacks`` callback: each collection's wall time under ``gc gen<generation>``."""
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+        return
+    total = _totals.setdefault(f"gc gen{info['generation']}", [0.0, 0])
+    total[0] += time.perf_counter() - _gc_started[0]
+    total[1] += 1
+
+
 def install(phases=PHASES, model=None) -> None:
     """Wrap the phases (those a module defines; once per process) and ``model``'s class's
-    ``compute_logits`` (the logits of the rows vLLM samples)."""
+    ``compute_logits`` (the logits of the rows vLLM samples); time the garbage collections."""
     global _installed
     if _installed:
         return
     _installed = True
+    gc.callbacks.append(_time_collection)
     clock = _clock()
     for module_name, cls_name, names in phases:
         module = importlib.import_module(module_name)

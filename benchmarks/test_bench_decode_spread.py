@@ -124,3 +124,15 @@ def test_a_shared_prefix_run_says_so(tmp_path):
                                                    "32768/1": {"turn_ms": [4.0]}}))
     bench.report(str(tmp_path))
     assert "--shared-prefix" in (tmp_path / "table.txt").read_text().splitlines()[0]
+
+
+def test_the_replicated_control_is_reported_apart_from_spread(tmp_path):
+    _write(tmp_path, "pcp1", {"4096/1": {"turn_ms": [4.0], "host_ms": [2.5], "drain_ms": [1.0]}})
+    _write(tmp_path, "pcp2_replicated", {"4096/1": {"turn_ms": [5.0, 6.0], "host_ms": [3.0, 3.5],
+                                                    "drain_ms": [1.0, 1.0]}})
+    out = bench.report(str(tmp_path))
+    assert out["rows"] == [{"context": 4096, "batch": 1, "replicated_ms": 4.0,  # no spread column
+                            "replicated_hidden_ms": 2.5}]
+    lines = (tmp_path / "table.txt").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("control:"))
+    assert lines[head + 2].split() == ["4096", "1", "4.00", "2.50", "6.00", "3.50"]

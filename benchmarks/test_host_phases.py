@@ -1,6 +1,7 @@
 """The host-phase timers of the decode benchmark: on the runner's real spread step (the CPU stand-in of
 ``tests/test_runner.py`` on 2 gloo ranks) every phase is timed once per step under the label of the
-class that defines it, and a phase holds the phases it calls."""
+class that defines it, a phase holds the phases it calls, and a garbage collection is timed by its
+generation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ STEPS = 3
 
 
 def _timed_spread_steps(rank, group):
+    import gc
+
     from vllm.config import CUDAGraphMode
 
     from benchmarks import host_phases
@@ -21,6 +24,7 @@ def _timed_spread_steps(rank, group):
     host_phases.start_host_phases()  # after the stand-in's parts took the place of vLLM's: they are timed
     for step in range(STEPS):
         spread_decode_step(runner, 8, step)
+    gc.collect(1)  # a collection during the timing: timed by its generation
     return host_phases.host_phases()
 
 
@@ -32,6 +36,7 @@ def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases
                 "PCPModelRunner._owned_forward", "GPUModelRunner._model_forward", "PCPContext.__init__",
                 "runner.defer_cached_kv", "PCPContext.gather_output")
         assert {label: phases[label][1] for label in once} == dict.fromkeys(once, STEPS), phases
+        assert phases["gc gen1"][1] >= 1, phases
         ms = {label: v[0] for label, v in phases.items()}
         assert all(v > 0 for v in ms.values()), ms
         # inclusive: the plugin's input preparation holds vLLM's, the plan and the heads; its owned
