@@ -94,15 +94,18 @@ def prompt_ids(context: int, request: int, shared_prefix: bool) -> list[int]:
     return ids(0, 0, context - TAIL) + ids(request + 1, context - TAIL, context)
 
 
-def run_until_first_tokens(engine, started: set[str]) -> bool:
-    """Step until every request in ``started`` has its first token (False: the KV cache does not
-    hold them all within ``MAX_PREFILL_STEPS`` steps)."""
-    decoded: set[str] = set()
+def run_until_first_tokens(engine, started: set[str]) -> dict[str, int] | None:
+    """Step until every request in ``started`` has its first token: {request: its prompt tokens read
+    from the prefix cache} of those that got it meanwhile (None: the KV cache does not hold them all
+    within ``MAX_PREFILL_STEPS`` steps)."""
+    cached: dict[str, int] = {}
     for _ in range(MAX_PREFILL_STEPS):
-        decoded |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
-        if decoded >= started:
-            return True
-    return False
+        for o in engine.step():
+            if o.outputs and o.outputs[0].token_ids and o.request_id not in cached:
+                cached[o.request_id] = o.num_cached_tokens or 0
+        if started <= cached.keys():
+            return cached
+    return None
 
 
 def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | None = None,
@@ -111,8 +114,11 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too. With
     ``shared_prefix`` (prefix caching on) each context's shared prompt is prefilled once, alone, and
     every request then reads it from the cache: long contexts for many requests in little KV memory and
-    prefill time (the requests' attention reads their context's K/V as distinct contexts would, from
-    the same blocks)."""
+    prefill time. Each request's attention reads its whole context's K/V, as distinct contexts would,
+    but from blocks the others read too, which the GPU's L2 cache can serve where distinct contexts
+    come from HBM (compare a context with and without it); prefix caching also adds its own per-step
+    work (vLLM's state copies at block ends, the spread step's state-block broadcasts). Each point
+    records the fewest prompt tokens its new requests read from the cache (``cached_tokens``)."""
     from vllm import SamplingParams
 
     from benchmarks.host_phases import host_phases, start_host_phases
@@ -130,16 +136,20 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
         started: set[str] = set()
-        if shared_prefix:  # the shared prompt into the cache first, so that every request hits it
-            engine.add_request(f"{context}-prefix", {"prompt_token_ids": prompt_ids(context, -1, True)},
+        if shared_prefix:  # the shared prompt alone into the cache first, so that every request hits it
+            # (its GDN states are kept at its last full block: inside the shared part)
+            engine.add_request(f"{context}-prefix", {"prompt_token_ids": prompt_ids(context, 0, True)[:-TAIL]},
                                SamplingParams(max_tokens=1))
             run_until_first_tokens(engine, {f"{context}-prefix"})
         for batch in batches:
+            new = set()
             for i in range(len(started), batch):
                 rid = f"{context}-{i}"
                 engine.add_request(rid, {"prompt_token_ids": prompt_ids(context, i, shared_prefix)}, sp)
-                started.add(rid)
-            if not run_until_first_tokens(engine, started):  # the others wait
+                new.add(rid)
+            started |= new
+            cached = run_until_first_tokens(engine, started)
+            if cached is None:  # the others wait
                 print(f"[{config}] L={context} B={batch}: not all requests running, stopping at this context")
                 break
             for _ in range(WARMUP):
@@ -150,6 +160,7 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                 engine.step()
                 marks.append(llm.collective_rpc(turn_counters))
             point = per_step_medians(marks)
+            point["cached_tokens"] = min((cached[r] for r in new if r in cached), default=None)
             point["phases_ms"] = [{k: ms / STEPS for k, (ms, _) in r.items()}
                                   for r in llm.collective_rpc(host_phases)]
             out[f"{context}/{batch}"] = point

@@ -3,7 +3,8 @@ timed on the host, with no profiler in the way.
 
 cProfile times every Python call, so it inflates a step made of many small calls more than one made
 of few, and the spread decode step against pcp=1's is exactly that comparison. Here only the
-functions in ``PHASES`` are wrapped (a few microseconds each per step, on both sides alike). In the
+functions in ``PHASES`` are wrapped (a few microseconds per call; a spread decode step makes about
+ten more of these calls than pcp=1's, and the turn times the bench reports hold them). In the
 shared GPU's turns a phase's time is the host busy (``harness.shared_gpu.host_busy_s``: the waits for
 the GPU, the collectives' copies and the waits for the other ranks left out); without turns, wall
 time. Phases nest (``execute_model`` holds ``_prepare_inputs``, which holds ``_plan``): each is

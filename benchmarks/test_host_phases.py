@@ -10,26 +10,35 @@ from harness.dist import run_distributed
 STEPS = 3
 
 
-def _timed_spread_steps(rank, group):
+def _timed_spread_steps(rank, group, steps_log):
     import gc
+    import os
+    from collections import Counter
+    from pathlib import Path
+    from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
 
     from benchmarks import host_phases
     from benchmarks.spread_host_ops import spread_decode_step
+    from harness.shared_gpu import STEPS_ENV, record_step_kinds
     from tests import test_runner as stand_in
 
     runner = stand_in._spread_runner(group, rank, [], {})
     stand_in._graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
+    # the bench's workers record their step kinds from the start, before the phases are wrapped
+    os.environ[STEPS_ENV] = steps_log
+    record_step_kinds(SimpleNamespace(model_runner=runner, rank=rank))
     host_phases.start_host_phases()  # after the stand-in's parts took the place of vLLM's: they are timed
     for step in range(STEPS):
         spread_decode_step(runner, 8, step)
     gc.collect(1)  # a collection during the timing: timed by its generation
-    return host_phases.host_phases()
+    return host_phases.host_phases(), dict(Counter(Path(f"{steps_log}.{rank}").read_text().split()))
 
 
-def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases_it_calls():
-    for phases in run_distributed(_timed_spread_steps, 2):
+def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases_it_calls(tmp_path):
+    for phases, kinds in run_distributed(_timed_spread_steps, 2, str(tmp_path / "steps")):
+        assert kinds == {"owned_full": STEPS}, kinds
         once = ("PCPModelRunner._prepare_inputs", "GPUModelRunner._prepare_inputs", "PCPModelRunner._plan",
                 "OwnedBatch.write_heads", "GPUModelRunner._determine_batch_execution_and_padding",
                 "GPUModelRunner._build_attention_metadata", "PCPModelRunner._model_forward",

@@ -312,8 +312,6 @@ def record_step_kinds(worker) -> None:
     runner = getattr(worker, "model_runner", None)
     if not path or runner is None:
         return
-    forward = runner._model_forward
-
     def recorded(*args, **kwargs):
         from vllm.forward_context import get_forward_context
 
@@ -322,7 +320,8 @@ def record_step_kinds(worker) -> None:
                 else f"owned_{get_forward_context().cudagraph_runtime_mode.name.lower()}")
         with open(f"{path}.{worker.rank}", "a") as f:
             f.write(kind + "\n")
-        return forward(*args, **kwargs)
+        # looked up on each call: whatever wraps the class's method later (``host_phases``) still runs
+        return type(runner)._model_forward(runner, *args, **kwargs)
 
     runner._model_forward = recorded
 
