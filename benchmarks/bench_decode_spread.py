@@ -227,8 +227,9 @@ def summarize_profile(trace_dir: str, top: int = 8) -> dict:
 
 
 def plan_host_ms() -> dict:
-    """{"N/B": ms} the host spends on a spread step's plan: owners, ``PCPPlan``, ``PCPContext``'s device
-    tensors (median of 20; already inside the turn times)."""
+    """{"N/B": ms} the host spends on the plan of a batch's first spread step: owners, ``PCPPlan``,
+    ``PCPContext``'s device tensors (median of 20; already inside the turn times; the batch's later
+    steps reuse the plan and tensors: ``PCPModelRunner._plan``)."""
     import statistics
     from types import SimpleNamespace
 
@@ -520,7 +521,8 @@ def report(out: str) -> dict:
                      + "; ".join(f"{c}: {k}" for c, k in kinds.items()))
     plan_ms = base.get("plan_ms", {})
     if plan_ms:
-        lines.append("host plan of a spread step (ms, measured, inside the turn times): "
+        lines.append("host plan of a batch's first spread step (ms, measured, inside the turn times; its later steps "
+                     "reuse it): "
                      + ", ".join(f"pcp{k.split('/')[0]} B={k.split('/')[1]}: {v:.2f}" for k, v in plan_ms.items()))
     table = "\n".join(lines)
     print(table)

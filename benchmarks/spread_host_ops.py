@@ -95,8 +95,6 @@ def spread_decode_step(runner, batch: int, step: int, around=None) -> None:
     """Step ``step`` of ``batch`` requests decoding through the stand-in runner, as vLLM's
     ``execute_model`` calls the runner's parts (inputs, dispatch, slots, metadata, the model), those
     calls inside the context manager ``around``; the requests' state set before it."""
-    from vllm.forward_context import ForwardContext, override_forward_context
-
     from tests import test_runner as stand_in
 
     req_ids, num_new = [f"r{i}" for i in range(batch)], np.ones(batch, dtype=np.int32)
@@ -106,18 +104,7 @@ def spread_decode_step(runner, batch: int, step: int, around=None) -> None:
     runner.requests = {r: SimpleNamespace(num_tokens=200, block_ids=([], [])) for r in req_ids}
     runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
     with around if around is not None else contextlib.nullcontext():
-        runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
-        mode, desc, *_ = runner._determine_batch_execution_and_padding(
-            num_tokens=batch, num_reqs=batch, num_scheduled_tokens_np=num_new, max_num_scheduled_tokens=1,
-            use_cascade_attn=False)
-        rows = desc.num_tokens
-        runner._get_slot_mappings(num_tokens_padded=rows, num_reqs_padded=rows, num_tokens_unpadded=batch)
-        runner._build_attention_metadata(num_tokens=batch, num_reqs=batch, max_query_len=1,
-                                         num_tokens_padded=rows, num_reqs_padded=rows)
-        context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
-                                 cudagraph_runtime_mode=mode, batch_descriptor=desc)
-        with override_forward_context(context):
-            runner._model_forward(input_ids=runner.input_ids.gpu[:rows], positions=runner.positions[:rows])
+        stand_in.execute_spread_runner(runner, num_new)
     runner.pcp_step = None
 
 

@@ -11,10 +11,15 @@ owned requests' states, each attention layer writes their new K/V into this rank
 stay as written (vLLM rewrites them before it reads them again: ``OwnedBatch.write_heads``). The
 other ranks' caches get that K/V with the step's output gather (``defer_cached_kv``): one collective
 per step.
+
+Consecutive spread decode steps of the same owners in the same order (a batch decoding on) share one
+``OwnedBatch``: its rows, query starts, exchange rows and step tensors reach the device once, and
+each step moves only its sequence lengths (``write_heads``, ``step_tensors``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -22,7 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .layers.context import DeferredKV, PCPContext, to_device_all
+from .layers.context import DeferredKV, PCPContext, StepTensors, to_device_all
 from .plan import PCPPlan
 
 
@@ -36,7 +41,13 @@ class OwnedBatch:
     eager: bool = False  # no graph: the padded batch would exceed the runner's request buffers
     exchange_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # ``kv_exchange_rows``
     query_start_cpu: torch.Tensor | None = None  # the owned batch's query starts on the host
-    exchange_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> ``kv_exchange_slots``
+    # per step: group -> ``kv_exchange_slots``; the owned sequence lengths on the device and their most
+    exchange_slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    lens: torch.Tensor | None = None
+    max_len: int = 0
+    # on the device, once per batch: (reqs, tokens, query starts, exchange rows clipped at 0, rows valid)
+    _device: tuple | None = field(default=None, repr=False)
+    _tensors: StepTensors | None = field(default=None, repr=False)  # ``step_tensors``
 
     @classmethod
     def of(cls, plan: PCPPlan, num_rows: int, eager: bool = False) -> OwnedBatch:
@@ -62,30 +73,45 @@ class OwnedBatch:
         batch's). The one whole-batch value read after the forward, the slots of the groups in
         ``keep_slots`` where ``defer_cached_kv`` reads and writes the step's new K/V, is taken first
         (``exchange_slots``). A step's sequence lengths are the host's (``num_computed_tokens`` plus
-        one: without speculative decoding vLLM's device copy is the host's)."""
+        one: without speculative decoding vLLM's device copy is the host's); they are all that a later
+        step of the same batch moves to the device."""
         n, rows = self.num_reqs, self.num_rows
         device = runner.seq_lens.device
         tables = runner.input_batch.block_table.block_tables
         host = runner.optimistic_seq_lens_cpu.numpy()
         lens = np.zeros(rows, dtype=np.int32)
         lens[:n] = host[self.reqs]
-        # the host buffer of vLLM's query starts may still be read by its copy to the device (queued
-        # without blocking): the owned starts are written on the device, in stream order after that
-        # copy, and handed to the metadata build on the host as a tensor of their own
-        # (``query_starts``)
-        starts = np.minimum(np.arange(rows + 1), n).astype(np.int32)
-        self.query_start_cpu = torch.from_numpy(starts)
-        reqs, tokens, starts_dev, lens_dev, rows_dev, valid = to_device_all(
-            device, self.reqs, self.tokens, (starts, torch.int32), (lens, torch.int32),
-            self.exchange_rows.clip(min=0), (self.exchange_rows >= 0, torch.bool))
+        if self._device is None:
+            # the host buffer of vLLM's query starts may still be read by its copy to the device (queued
+            # without blocking): the owned starts are written on the device, in stream order after that
+            # copy, and handed to the metadata build on the host as a tensor of their own
+            # (``query_starts``)
+            starts = np.minimum(np.arange(rows + 1), n).astype(np.int32)
+            self.query_start_cpu = torch.from_numpy(starts)
+            *device_rows, self.lens = to_device_all(
+                device, self.reqs, self.tokens, (starts, torch.int32), self.exchange_rows.clip(min=0),
+                (self.exchange_rows >= 0, torch.bool), (lens, torch.int32))
+            self._device = tuple(device_rows)
+        else:
+            (self.lens,) = to_device_all(device, (lens, torch.int32))
+        self.max_len = int(lens.max(initial=0))
+        reqs, tokens, starts_dev, rows_dev, valid = self._device
         self.exchange_slots = {g: kv_exchange_slots(tables[g].slot_mapping.gpu, rows_dev, valid) for g in keep_slots}
         runner.query_start_loc.gpu[: rows + 1].copy_(starts_dev)
-        runner.seq_lens[:rows].copy_(lens_dev)
+        runner.seq_lens[:rows].copy_(self.lens)
         host[:rows] = lens
         if n:
             for table in tables:  # each selected before its head is written
                 table.block_table.gpu[:n].copy_(table.block_table.gpu.index_select(0, reqs))
                 table.slot_mapping.gpu[:n].copy_(table.slot_mapping.gpu.index_select(0, tokens))
+
+    def step_tensors(self, plan: PCPPlan, device: torch.device) -> StepTensors:
+        """``plan``'s step tensors (``PCPContext``'s), built at the batch's first step: they depend on the
+        owners and rows alone but for the keys each row sees (``seqused_k``, ``max_k``: the owned rows'
+        sequence lengths, this step's from ``write_heads``)."""
+        if self._tensors is None:
+            self._tensors = StepTensors.build(plan, device)
+        return dataclasses.replace(self._tensors, seqused_k=self.lens[: self.num_reqs], max_k=self.max_len)
 
     def query_starts(self, buffer):
         """vLLM's query-start buffer as the metadata build reads it: its device tensor (the owned

@@ -24,6 +24,7 @@ owner, where they stay while it decodes.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -157,6 +158,16 @@ class PCPPlan:
         # ``min_rows``: a spread decode step pads to the row count of the CUDA graph it replays
         self.t_pad = max(1, int(min_rows), max(sum(s.length for s in segs) for segs in self.segments))
         self._build_row_maps()
+
+    def with_computed(self, num_computed: np.ndarray) -> PCPPlan:
+        """This plan at other computed-token counts (a spread decode step of the same requests and owners,
+        a token later): nothing a plan builds or caches depends on ``num_computed``; what does
+        (``attention_seqs``, ``conv_sources``, the state indices) is derived from it on each call."""
+        other = copy.copy(self)
+        other.num_computed = np.asarray(num_computed, dtype=np.int64)
+        if other.num_computed.shape != self.num_new.shape:
+            raise ValueError("num_computed must give one count per request of the plan")
+        return other
 
     def _request_ranks(self, ranks, excluded: np.ndarray, message: str) -> np.ndarray:
         """A rank (or -1) per request, -1 where ``excluded``; all -1 when ``ranks`` is None."""

@@ -86,6 +86,9 @@ class PCPModelRunner(GPUModelRunner):
         self.draft_ctx: PCPContext | None = None  # a split step's context, for the MTP drafter's first pass
         self.decode_owners = (DecodeOwners(self.pcp_group.world_size)
                               if self.pcp_config.decode == "spread" else None)
+        # the latest spread decode step's (owners and rows, plan, batch): the next step of the same
+        # batch reuses them (``_plan``)
+        self._owned_batch: tuple[tuple, PCPPlan, OwnedBatch] | None = None
 
     # ------------------------------------------------------------------ replicated KV cache
     def _replicate_block_tables(self) -> None:
@@ -116,7 +119,10 @@ class PCPModelRunner(GPUModelRunner):
         (``decode_owners``), and a step that hands a request's states over from its owner is planned
         (the GDN layers broadcast them first) even when nothing splits. A spread decode step (every
         row owned) runs each rank's own requests as vLLM's batch (``owned_batch``), every rank's plan
-        padded to the size of the batch the busiest rank runs (``_owned_rows``).
+        padded to the size of the batch the busiest rank runs (``_owned_rows``). Such a plan and batch
+        depend on the owners and that size alone (every row one token: its request's position), so the
+        next spread decode step with the same ones reuses them at its own computed-token counts
+        (``PCPPlan.with_computed``; the batch's device rows and step tensors built once).
 
         With speculative decoding, a step with any row past its prompt (decode rows, the drafts'
         verification rows) stays whole: the GDN layers keep those rows' states in a separate index
@@ -138,9 +144,17 @@ class PCPModelRunner(GPUModelRunner):
                 num_computed + num_new > self.input_batch.num_prompt_tokens[:num_reqs]):
             return None, None
         rows = self._owned_rows(owner, num_new) if spread_decode_step(owner, num_new) else 0
+        key = (owner.tobytes(), rows) if rows else None
+        if key is not None and self._owned_batch is not None and self._owned_batch[0] == key:
+            _, plan, owned = self._owned_batch
+            return plan.with_computed(num_computed), owned
         plan = PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config, owner,
                        handover, min_rows=abs(rows))
-        return plan, (OwnedBatch.of(plan, plan.t_pad, eager=rows < 0) if rows else None)
+        if key is None:
+            return plan, None
+        owned = OwnedBatch.of(plan, plan.t_pad, eager=rows < 0)
+        self._owned_batch = key, plan, owned
+        return plan, owned
 
     def _owned_rows(self, owner: np.ndarray, num_new: np.ndarray) -> int:
         """The batch size every rank runs at a spread decode step: the most requests any rank owns,
@@ -234,7 +248,8 @@ class PCPModelRunner(GPUModelRunner):
         written there from the whole batch's rows."""
         plan, owned = step.plan, step.owned
         num_tokens = plan.num_tokens
-        ctx = PCPContext(plan, self.pcp_group, self.device, num_tokens_padded=num_tokens)
+        ctx = PCPContext(plan, self.pcp_group, self.device, num_tokens_padded=num_tokens,
+                         tensors=owned.step_tensors(plan, self.device))
         idx = ctx.t.local_idx
         if owned.num_reqs:
             n = max(num_tokens, owned.num_rows)  # the batch's rows, and the heads the model reads

@@ -254,3 +254,54 @@ def test_register_does_nothing_on_another_vllm(monkeypatch, caplog):
         qwen36_pcp.register()
     lines = [r for r in caplog.records if "0.21.0" in r.getMessage()]
     assert len(lines) == 1 and "not loaded" in lines[0].getMessage()
+
+
+def _plain(x):
+    """``x`` with numpy arrays, dataclasses and containers turned into lists and dicts (comparable)."""
+    import dataclasses
+
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if dataclasses.is_dataclass(x):
+        return _plain(vars(x))
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _plan_state(plan: PCPPlan) -> dict:
+    """Everything a plan holds and derives, per rank: its attributes (cached properties included,
+    once computed) and what its methods give."""
+    from functools import cached_property
+
+    for name, value in vars(PCPPlan).items():
+        if isinstance(value, cached_property):
+            getattr(plan, name)
+    state = _plain(vars(plan))
+    for r in range(plan.world_size):
+        state[f"rank{r}"] = _plain((plan.attention_seqs(r), plan.conv_sources(4, r), plan.tail_rows(4, r),
+                                    plan.run_rows(r), plan.split_block_slots(r)))
+    state["sample"] = _plain(plan.sample_rows())
+    return state
+
+
+@pytest.mark.parametrize("owner", [None, [0, 1, 1, 0, -1]])
+def test_a_plan_at_other_computed_counts_is_that_plan_built_anew(owner):
+    """``with_computed``: a spread decode step's plan reused a token later (every request owned, and a
+    split step too) holds and derives exactly what the plan built at the new counts does."""
+    config = PCPConfig(min_split_tokens=64, decode="spread")
+    if owner is None:
+        num_new, owner_arr = np.array([300, 1, 90, 1, 7]), None
+    else:
+        num_new, owner_arr = np.array([1, 1, 1, 1, 7]), np.array(owner)
+    for world in (2, 4):
+        before, after = np.array([0, 40, 3000, 5, 12]), np.array([0, 41, 3001, 6, 19])
+        reused = PCPPlan(before, num_new, world, 1, config, owner_arr, min_rows=4)
+        _plan_state(reused)  # its cached properties computed before it moves on
+        moved = reused.with_computed(after)
+        assert _plan_state(moved) == _plan_state(PCPPlan(after, num_new, world, 1, config, owner_arr, min_rows=4))
+        assert reused.num_computed.tolist() == before.tolist()  # the plan itself unchanged
+    with pytest.raises(ValueError, match="one count per request"):
+        reused.with_computed(np.array([1, 2]))

@@ -12,6 +12,7 @@ is seen.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -84,6 +85,7 @@ def _stand_in_runner(group, config, model, dispatched: list):
     runner = object.__new__(PCPModelRunner)
     runner.pcp_config, runner.pcp_group, runner.pcp_step = config, group, None
     runner.decode_owners = DecodeOwners(group.world_size) if config.decode == "spread" else None
+    runner._owned_batch = None
     runner.speculative_config, runner.num_prompt_logprobs = None, {}
     runner.model, runner.device = model, torch.device("cpu")
     return runner
@@ -401,7 +403,6 @@ def _spread_steps(rank, group):
     the 5 again without CUDA graphs, decode rows beside a split and a short prompt, a short prompt
     alone, a hand-over."""
     from vllm.config import CUDAGraphMode
-    from vllm.forward_context import ForwardContext, override_forward_context
 
     from qwen36_pcp.decode_owners import DecodeOwners
 
@@ -438,22 +439,9 @@ def _spread_steps(rank, group):
             layer.kv_cache.zero_()
         calls.clear()
         before = len(seen)
-        # execute_model's order: the inputs, the dispatch, the slots, the metadata, the model
-        logits_indices, _ = runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
-        mode, desc, *_ = runner._determine_batch_execution_and_padding(
-            num_tokens=int(num_new.sum()), num_reqs=len(num_new), num_scheduled_tokens_np=num_new,
-            max_num_scheduled_tokens=int(num_new.max()), use_cascade_attn=False)
-        rows = desc.num_tokens
-        runner._get_slot_mappings(num_tokens_padded=rows, num_reqs_padded=rows, num_tokens_unpadded=int(num_new.sum()))
-        runner._build_attention_metadata(num_tokens=int(num_new.sum()), num_reqs=len(num_new), max_query_len=1,
-                                         num_tokens_padded=rows, num_reqs_padded=rows)
-        ids, pos = runner.input_ids.gpu[:rows], runner.positions[:rows]
+        logits_indices, mode, hidden = execute_spread_runner(runner, num_new)
         whole_ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
         whole_pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
-        context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
-                                 cudagraph_runtime_mode=mode, batch_descriptor=desc)
-        with override_forward_context(context):
-            hidden = runner._model_forward(input_ids=ids, positions=pos)
         step = runner.pcp_step
         plan = step.plan
         results[name] = {
@@ -468,6 +456,110 @@ def _spread_steps(rank, group):
     return results
 
 
+def execute_spread_runner(runner, num_new: np.ndarray):
+    """The runner's parts of a step (``_spread_runner``'s) in ``execute_model``'s order: the inputs, the
+    dispatch, the slots, the metadata, the model; (the rows vLLM samples, the graph mode, the hidden
+    states). ``runner.pcp_step`` stays the step's."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    tokens, reqs = int(num_new.sum()), len(num_new)
+    logits_indices, _ = runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
+    mode, desc, *_ = runner._determine_batch_execution_and_padding(
+        num_tokens=tokens, num_reqs=reqs, num_scheduled_tokens_np=num_new,
+        max_num_scheduled_tokens=int(num_new.max()), use_cascade_attn=False)
+    rows = desc.num_tokens
+    runner._get_slot_mappings(num_tokens_padded=rows, num_reqs_padded=rows, num_tokens_unpadded=tokens)
+    runner._build_attention_metadata(num_tokens=tokens, num_reqs=reqs, max_query_len=1, num_tokens_padded=rows,
+                                     num_reqs_padded=rows)
+    context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
+                             cudagraph_runtime_mode=mode, batch_descriptor=desc)
+    with override_forward_context(context):
+        hidden = runner._model_forward(input_ids=runner.input_ids.gpu[:rows], positions=runner.positions[:rows])
+    return logits_indices, mode, hidden
+
+
+def _one_batch_decoding_on(rank, group):
+    """Three spread decode steps of one batch (5 requests, a token further at each step, their
+    attention slots moved at each step) through a runner that reuses the batch's plan, device rows and
+    step tensors from step to step and through one made to build them anew at every step: per step the
+    metadata, the hidden states, the caches' K/V and the step tensors."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from qwen36_pcp.layers.context import StepTensors
+
+    out = {}
+    for reuse in (True, False):
+        seen, calls = [], {}
+        runner = _spread_runner(group, rank, seen, calls)
+        _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
+        layers = runner._attention_groups[0][1]
+        prepare = GPUModelRunner._prepare_inputs  # the stand-in's
+        steps = []
+        for step in range(3):
+            def moved(self, so, num_new, step=step):
+                rows = prepare(self, so, num_new)
+                self.input_batch.block_table.block_tables[0].slot_mapping.gpu[: int(num_new.sum())] += 13 * step
+                return rows
+            GPUModelRunner._prepare_inputs = moved
+            if not reuse:
+                runner._owned_batch = None
+            req_ids, computed = list("abcde"), np.array([17, 40, 3000, 700, 9]) + step
+            runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=computed,
+                                                 num_prompt_tokens=np.array([17, 40, 3000, 700, 9]),
+                                                 block_table=_BlockTables())
+            runner.requests = {r: SimpleNamespace(num_tokens=int(c) + 1, block_ids=([], [])) for r, c in zip(req_ids, computed)}
+            runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
+            calls.clear()
+            _, mode, hidden = execute_spread_runner(runner, np.ones(5, dtype=np.int32))
+            plan, owned = runner.pcp_step.plan, runner.pcp_step.owned
+            fresh, used = StepTensors.build(plan, "cpu"), owned.step_tensors(plan, "cpu")
+            steps.append({"metadata": calls.get("metadata"), "hidden": hidden.clone(), "mode": mode,
+                          "kv": [layer.kv_cache.clone() for layer in layers], "owned": id(owned),
+                          "computed": plan.num_computed.tolist(),
+                          "tensors": (fresh, used)})
+            runner.pcp_step = None
+        GPUModelRunner._prepare_inputs = prepare
+        out[reuse] = steps
+    return out
+
+
+def _same(x, y) -> bool:
+    """Equal tensors, or dataclasses of them field by field."""
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if dataclasses.is_dataclass(x):
+        return type(x) is type(y) and all(_same(getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(x))
+    return x == y
+
+
+def _spread_runs(rank, group):
+    """``_spread_steps`` and ``_one_batch_decoding_on`` in one set of rank processes."""
+    return {"steps": _spread_steps(rank, group), "batch": _one_batch_decoding_on(rank, group)}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"pcp{n}")
+def spread_runs(request):
+    """(world size, each rank's ``_spread_runs``)."""
+    return request.param, run_distributed(_spread_runs, request.param)
+
+
+def test_a_batch_decoding_on_reuses_its_plan_and_rows_with_each_steps_lengths_and_slots(spread_runs):
+    for rank, runs in enumerate(spread_runs[1]):
+        out = runs["batch"]
+        reused, anew = out[True], out[False]
+        assert len({s["owned"] for s in reused}) == 1  # one batch, built at the first step
+        for step, (a, b) in enumerate(zip(reused, anew)):
+            assert a["computed"] == (np.array([17, 40, 3000, 700, 9]) + step).tolist()
+            assert a["metadata"] == b["metadata"], (rank, step)
+            assert torch.equal(a["hidden"], b["hidden"]) and a["mode"] == b["mode"]
+            assert all(torch.equal(x, y) for x, y in zip(a["kv"], b["kv"])), (rank, step)
+            # the step tensors kept from the first step, with this step's keys, are this plan's
+            assert _same(*a["tensors"]), (rank, step, a["tensors"])
+            if a["metadata"] is not None:  # a rank with requests of its own: its lengths moved on
+                assert a["metadata"]["seq_lens"][:1] != reused[0]["metadata"]["seq_lens"][:1] or step == 0
+
+
 STATE_BLOCK = 2
 
 
@@ -477,11 +569,10 @@ def _states(rank):
             torch.arange(20000 * 4, dtype=torch.float32).view(20000, 2, 2) + 1000 * rank]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_spread_decode_steps_through_the_runner(world_size):
+def test_spread_decode_steps_through_the_runner(spread_runs):
     from vllm.config import CUDAGraphMode
 
-    ranks = run_distributed(_spread_steps, world_size)
+    world_size, ranks = spread_runs[0], [runs["steps"] for runs in spread_runs[1]]
     computed = {"decode": [17, 40, 3000, 700, 9], "decode3": [5, 6, 7], "decode_eager": [17, 40, 3000, 700, 9],
                 "decode_past_buffers": [17, 40, 3000, 700, 9]}
     for rank, results in enumerate(ranks):

@@ -221,7 +221,8 @@ class PCPContext:
     rows the output gather returns and the row count narrow layers run at.
     """
 
-    def __init__(self, plan: PCPPlan, group, device: torch.device | str, num_tokens_padded: int | None = None):
+    def __init__(self, plan: PCPPlan, group, device: torch.device | str, num_tokens_padded: int | None = None,
+                 tensors: StepTensors | None = None):
         if group.world_size != plan.world_size or group.rank_in_group != plan.rank:
             raise ValueError(
                 f"plan is for rank {plan.rank}/{plan.world_size}, group is "
@@ -233,7 +234,8 @@ class PCPContext:
         self.num_tokens_padded = plan.num_tokens if num_tokens_padded is None else int(num_tokens_padded)
         if self.num_tokens_padded < plan.num_tokens:
             raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
-        self.t = StepTensors.build(plan, self.device)
+        self.t = StepTensors.build(plan, self.device) if tensors is None else tensors  # (a spread decode
+        # step's, built once per batch: ``OwnedBatch.step_tensors``)
         self._conv: dict[int, ConvIndex] = {}
         self.collectives: list[Collective] = []
         self.deferred_kv: list[DeferredKV] = []  # written by gather_output
