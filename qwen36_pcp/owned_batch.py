@@ -41,7 +41,7 @@ class OwnedBatch:
     eager: bool = False  # no graph: the padded batch would exceed the runner's request buffers
     exchange_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # ``kv_exchange_rows``
     query_start_cpu: torch.Tensor | None = None  # the owned batch's query starts on the host
-    # per step: group -> ``kv_exchange_slots``; the owned sequence lengths on the device and their most
+    # per step: group -> ``kv_exchange_slots``; the owned sequence lengths on the device; the longest of them
     exchange_slots: dict[int, torch.Tensor] = field(default_factory=dict)
     lens: torch.Tensor | None = None
     max_len: int = 0
