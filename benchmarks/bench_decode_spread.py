@@ -11,8 +11,8 @@ its **turn time**, is its own step on a GPU of its own, host included, collectiv
 Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: the whole batch),
 ``pcp2_spread``, ``pcp4_spread``, and the control ``pcp2_replicated`` / ``pcp4_replicated``: pcp=1's
 step on every rank plus one gather of the sampled rows, whose turns against pcp=1's show what taking
-turns adds to a step of more than one rank (``control_lines``). Each point: B requests of L context tokens decoding together, the
-median over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). A spread rank's
+turns adds to a step of more than one rank (``control_lines``). Each point: B requests of L context
+tokens decoding together, the median over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). A spread rank's
 turn holds its collective's copies through host memory, which NCCL between GPUs does not make; the
 shared GPU's communicator times them (``turn_counters``: the GPU drained first, the wait for the
 other ranks left out). A spread rank's step on a GPU of its own: its turn time less those copies, plus
@@ -58,7 +58,7 @@ ATTENTION_LAYERS = LAYERS // 4
 SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated: a quick prefill here
 # the control: replicated decode at pcp > 1 is pcp=1's step plus one gather of the sampled rows, so its
 # turns against pcp=1's show what taking turns on the shared GPU adds to a step of more than one rank
-REPLICATED = {"decode": "replicated", "min_split_tokens": 1 << 20}
+REPLICATED = {**SPREAD, "decode": "replicated"}
 CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4, "pcp1_piecewise": 1, "pcp2_replicated": 2,
            "pcp4_replicated": 4}  # -> ranks
 DEFAULT_CONFIGS = ("pcp1", "pcp2_spread", "pcp4_spread")
@@ -330,9 +330,6 @@ def hidden_host_ms(point: dict, collective_ms: float = 0.0) -> float:
     return max(max(h, d + collective_ms) for h, d in zip(point["host_ms"], point["drain_ms"]))
 
 
-PHASE_BATCHES = (1, 8, 64)
-
-
 def control_lines(base: dict, control: dict, keys: list[str]) -> list[str]:
     """Replicated decode at pcp=N (``pcpN_replicated``) against pcp=1: the slowest rank's turn and host
     busy (medians), which differ from pcp=1's by what taking turns adds (a rank that waits in a
@@ -358,6 +355,9 @@ def control_lines(base: dict, control: dict, keys: list[str]) -> list[str]:
         lines.append(f"{context:>8} {batch:>3} {cell(base, key):>15} " + " ".join(f"{cell(control[n], key):>15}"
                                                                                  for n in ns))
     return lines
+
+
+PHASE_BATCHES = (1, 8, 64)
 
 
 def phase_lines(data: dict, keys: list[str]) -> list[str]:

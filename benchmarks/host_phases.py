@@ -50,6 +50,12 @@ def _clock():
     return host_busy_s
 
 
+def _add(label: str, seconds: float) -> None:
+    total = _totals.setdefault(label, [0.0, 0])
+    total[0] += seconds
+    total[1] += 1
+
+
 def timed(label: str, fn, clock):
     """``fn`` with its time per call added to ``_totals[label]``."""
     @functools.wraps(fn)
@@ -58,9 +64,7 @@ def timed(label: str, fn, clock):
         try:
             return fn(*args, **kwargs)
         finally:
-            total = _totals.setdefault(label, [0.0, 0])
-            total[0] += clock() - t0
-            total[1] += 1
+            _add(label, clock() - t0)
     return call
 
 
@@ -72,9 +76,7 @@ def _time_collection(phase: str, info: dict) -> None:
     if phase == "start":
         _gc_started[0] = time.perf_counter()
         return
-    total = _totals.setdefault(f"gc gen{info['generation']}", [0.0, 0])
-    total[0] += time.perf_counter() - _gc_started[0]
-    total[1] += 1
+    _add(f"gc gen{info['generation']}", time.perf_counter() - _gc_started[0])
 
 
 def install(phases=PHASES, model=None) -> None:

@@ -312,6 +312,7 @@ def record_step_kinds(worker) -> None:
     runner = getattr(worker, "model_runner", None)
     if not path or runner is None:
         return
+
     def recorded(*args, **kwargs):
         from vllm.forward_context import get_forward_context
 
