@@ -330,13 +330,16 @@ def hidden_host_ms(point: dict, collective_ms: float = 0.0) -> float:
     return max(max(h, d + collective_ms) for h, d in zip(point["host_ms"], point["drain_ms"]))
 
 
-def control_lines(base: dict, control: dict, keys: list[str]) -> list[str]:
+def control_lines(base: dict, control: dict, keys: list[str], spread: dict | None = None) -> list[str]:
     """Replicated decode at pcp=N (``pcpN_replicated``) against pcp=1: the slowest rank's turn and host
     busy (medians), which differ from pcp=1's by what taking turns adds (a rank that waits in a
-    collective resumes on a host the other ranks ran on) and by one gather of the sampled rows."""
+    collective resumes on a host the other ranks ran on) and by one gather of the sampled rows. Where
+    the run has spread decode at the same N, its slowest rank's turn beside it and (x) = the control's
+    turn / spread's: both steps take turns on the one GPU alike, so this ratio holds no turn-taking
+    cost that the one against pcp=1 charges to spread alone."""
     if not control:
         return []
-    ns = sorted(control)
+    ns, spread = sorted(control), spread or {}
 
     def cell(d, key):
         p = d.get(key, {})
@@ -345,15 +348,25 @@ def control_lines(base: dict, control: dict, keys: list[str]) -> list[str]:
         host = f"{max(p['host_ms']):5.2f}" if "host_ms" in p else "    -"
         return f"{max(p['turn_ms']):7.2f} {host} "
 
+    def spread_cell(n, key):
+        turn, ctl = spread.get(n, {}).get(key, {}).get("turn_ms"), control[n].get(key, {}).get("turn_ms")
+        if not turn or not ctl:
+            return f"{'-':>16}"
+        return f"{max(turn):7.2f} ({max(ctl) / max(turn):4.2f}x)"
+
     lines = ["", "control: replicated decode at pcp=N on the same shared GPU (pcp=1's step + one gather of the "
-             "sampled rows): the slowest rank's turn and host busy (ms, medians), against pcp=1's",
-             f"{'context':>8} {'B':>3} {'pcp1 turn host':>15} " + " ".join(f"{f'pcp{n} turn host':>15}" for n in ns)]
+             "sampled rows): the slowest rank's turn and host busy (ms, medians), against pcp=1's"
+             + ("; spreadN turn: spread decode's at that N, (x) = pcpN's turn / spreadN's turn" if spread else ""),
+             f"{'context':>8} {'B':>3} {'pcp1 turn host':>15} "
+             + " ".join(f"{f'pcp{n} turn host':>15}" + (f" {f'spread{n} turn':>16}" if spread else "")
+                        for n in ns)]
     for key in keys:
         if not any(key in control[n] for n in ns):
             continue
         context, batch = key.split("/")
-        lines.append(f"{context:>8} {batch:>3} {cell(base, key):>15} " + " ".join(f"{cell(control[n], key):>15}"
-                                                                                 for n in ns))
+        lines.append(f"{context:>8} {batch:>3} {cell(base, key):>15} "
+                     + " ".join(f"{cell(control[n], key):>15}" + (f" {spread_cell(n, key)}" if spread else "")
+                                for n in ns))
     return lines
 
 
@@ -416,6 +429,9 @@ def report(out: str) -> dict:
                 row[f"spread{n}_ms"] = max(own) + collectives_ms(n, batch)
                 if "host_ms" in d[key]:
                     row[f"spread{n}_hidden_ms"] = hidden_host_ms(d[key], collectives_ms(n, batch))
+        for n, d in control.items():
+            if key in d:
+                row[f"control{n}_turn_ms"] = max(d[key]["turn_ms"])
         rows.append(row)
     pts = [(r["batch"], r["context"], r["replicated_ms"]) for r in rows if "replicated_ms" in r]
     replicated_fit = fit_line(pts, kv_reads=True) if len(pts) >= 4 else None
@@ -512,7 +528,7 @@ def report(out: str) -> dict:
             top = list(funcs.items())[:HOST_PROFILE_TOP]
             lines.append(f"host Python of {config} rank{rank} under cProfile, cumulative ms per step: "
                          + ", ".join(f"{k} {v:.2f}" for k, v in top))
-    lines += control_lines(base, control, keys)
+    lines += control_lines(base, control, keys, spread)
     lines += phase_lines(data, keys)
     kinds = {c: d.get("step_kinds") for c, d in data.items() if d.get("step_kinds")}
     if kinds:
@@ -537,6 +553,13 @@ def report(out: str) -> dict:
                 if have:
                     ax.plot([r["batch"] for r in have], [r[key] for r in have], style, color=color, marker="o",
                             label=f"{name}, {context // 1024}k context")
+            for i, n in enumerate(ns):  # both taking turns alike (``control_lines``)
+                for key, name, marker in ((f"control{n}_turn_ms", f"replicated pcp={n} turn", "s"),
+                                          (f"spread{n}_turn_ms", f"spread pcp={n} turn", "^")):
+                    have = [r for r in pts if key in r and f"control{n}_turn_ms" in r]
+                    if have:
+                        ax.plot([r["batch"] for r in have], [r[key] for r in have], ":", color=f"C{i + 1}",
+                                marker=marker, label=f"{name}, {context // 1024}k context")
         dropped = replicated_fit["dropped"] if replicated_fit else None
         if dropped:
             ax.annotate("outlier (left out of the fit)", (dropped[0], dropped[2]), textcoords="offset points",

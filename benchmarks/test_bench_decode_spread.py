@@ -132,7 +132,13 @@ def test_the_replicated_control_is_reported_apart_from_spread(tmp_path):
                                                     "drain_ms": [1.0, 1.0]}})
     out = bench.report(str(tmp_path))
     assert out["rows"] == [{"context": 4096, "batch": 1, "replicated_ms": 4.0,  # no spread column
-                            "replicated_hidden_ms": 2.5}]
+                            "replicated_hidden_ms": 2.5, "control2_turn_ms": 6.0}]
     lines = (tmp_path / "table.txt").read_text().splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("control:"))
     assert lines[head + 2].split() == ["4096", "1", "4.00", "2.50", "6.00", "3.50"]
+    _write(tmp_path, "pcp2_spread", {"4096/1": {"turn_ms": [7.5, 7.0], "own_ms": [7.0, 6.5]}})
+    bench.report(str(tmp_path))
+    lines = (tmp_path / "table.txt").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("control:"))
+    # beside spread at the same N: both take turns alike; (x) = the control's turn over spread's
+    assert lines[head + 2].split() == ["4096", "1", "4.00", "2.50", "6.00", "3.50", "7.50", "(0.80x)"]
