@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
+import numpy as np
+
 ARCHITECTURE = "Qwen3_6ForCausalLM"  # text only (the vision tower of a published checkpoint is skipped)
 VL_ARCHITECTURE = "Qwen3_6ForConditionalGeneration"  # with the vision tower: images and video
 ARCHITECTURES = (ARCHITECTURE, VL_ARCHITECTURE)
@@ -118,7 +120,7 @@ class PCPConfig:
         if world_size <= 1:
             return False
         threshold = self.split_threshold(world_size)
-        return any(int(n) >= threshold for n in num_new_tokens)
+        return bool((np.asarray(num_new_tokens) >= threshold).any())
 
 
 def misspelled_option_keys(additional_config: dict | None) -> list[str]:

@@ -44,38 +44,34 @@ class DecodeOwners:
         """Per request of the step: its owner (-1: not a decode row, computed as before) and, for a
         request whose owner alone holds its states but which every rank computes now, that owner
         (-1 elsewhere). ``requests``: the runner's live requests by id (their ``num_tokens``: the
-        prompt and output tokens it holds)."""
+        prompt and output tokens it holds).
+
+        Array operations over the batch, with a Python loop only over the requests whose ownership
+        changes (rare: a restart, a hand-over, a first decode row): it runs every step, on every rank,
+        before the step is launched, and a step can hold hundreds of requests."""
         for table in (self.owner, self.prefill_end):
             for req_id in [r for r in table if r not in requests]:
                 del table[req_id]
-        num_computed, num_new = np.asarray(num_computed), np.asarray(num_new)
+        num_computed, num_new = np.asarray(num_computed, dtype=np.int64), np.asarray(num_new)
         for i in np.flatnonzero(num_computed == 0):  # (re)started from its first token: every rank
             req_id = req_ids[i]                        # computes its states
             self.owner.pop(req_id, None)
             self.prefill_end[req_id] = int(requests[req_id].num_tokens)
-        ends = np.array([max(int(p), self.prefill_end.get(r, 0)) for r, p in zip(req_ids, num_prompt)],
-                        dtype=np.int64)
+        owner = np.array([self.owner.get(r, -1) for r in req_ids], dtype=np.int64)
+        ends = np.maximum(np.asarray(num_prompt, dtype=np.int64),
+                          np.array([self.prefill_end.get(r, 0) for r in req_ids], dtype=np.int64))
         decoding = (num_new == 1) & (num_computed >= ends)
-        handover = np.full(len(req_ids), -1, dtype=np.int64)
-        rows = np.zeros(self.world_size, dtype=np.int64)
-        context = np.zeros(self.world_size, dtype=np.int64)
-        for i, req_id in enumerate(req_ids):
-            r = self.owner.get(req_id)
-            if r is None:
-                continue
-            if decoding[i]:
-                rows[r] += 1
-                context[r] += num_computed[i]
-            else:
-                handover[i] = self.owner.pop(req_id)
-        owner = np.full(len(req_ids), -1, dtype=np.int64)
-        for i, req_id in enumerate(req_ids):
-            if not decoding[i]:
-                continue
-            if req_id not in self.owner:
-                r = min(range(self.world_size), key=lambda r: (rows[r], context[r], r))
-                self.owner[req_id] = r
-                rows[r] += 1
-                context[r] += num_computed[i]
-            owner[i] = self.owner[req_id]
+        handover = np.where(decoding, -1, owner)
+        for i in np.flatnonzero(handover >= 0):  # owned, but every rank computes it now
+            del self.owner[req_ids[i]]
+        owner[~decoding] = -1
+        kept = owner >= 0
+        rows = np.bincount(owner[kept], minlength=self.world_size)
+        # (float sums of integers below 2**53: exact)
+        context = np.bincount(owner[kept], weights=num_computed[kept], minlength=self.world_size).astype(np.int64)
+        for i in np.flatnonzero(decoding & ~kept):  # a first decode row: the least loaded rank
+            r = min(range(self.world_size), key=lambda r: (rows[r], context[r], r))
+            self.owner[req_ids[i]] = owner[i] = r
+            rows[r] += 1
+            context[r] += num_computed[i]
         return owner, handover

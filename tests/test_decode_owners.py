@@ -74,3 +74,72 @@ def test_every_rank_computes_the_same_owners():
         assert got[0] == got[1] == got[2]
         counts = np.bincount(np.array(got[0], dtype=np.int64), minlength=4)
         assert counts.max() - counts.min() <= max(3, len(batch) // 2)  # new requests fill the gaps
+
+
+def _reference_step(owner: dict, prefill_end: dict, world: int, batch, live):
+    """The ownership rule request by request (``DecodeOwners.step``'s, stated plainly): ``batch`` as
+    ``_step``'s, ``live``: {req_id: num_tokens}; updates ``owner`` and ``prefill_end``."""
+    for table in (owner, prefill_end):
+        for r in [r for r in table if r not in live]:
+            del table[r]
+    for r, computed, *_ in batch:
+        if computed == 0:
+            owner.pop(r, None)
+            prefill_end[r] = live[r]
+    decoding = [new == 1 and computed >= max(prompt, prefill_end.get(r, 0)) for r, computed, new, prompt, *_ in batch]
+    rows, context, handover = [0] * world, [0] * world, []
+    for (r, computed, *_), dec in zip(batch, decoding):
+        handover.append(-1)
+        if r in owner and dec:
+            rows[owner[r]] += 1
+            context[owner[r]] += computed
+        elif r in owner:
+            handover[-1] = owner.pop(r)
+    result = []
+    for (r, computed, *_), dec in zip(batch, decoding):
+        if dec and r not in owner:
+            owner[r] = min(range(world), key=lambda k: (rows[k], context[k], k))
+            rows[owner[r]] += 1
+            context[owner[r]] += computed
+        result.append(owner[r] if dec else -1)
+    return result, handover
+
+
+def test_owners_follow_the_rule_request_by_request():
+    """Long random runs (arrivals, decoding, chunked prompts, restarts from token 0, prompts that grow,
+    requests left out and finished) at 2, 4 and 8 ranks: the same owners, hand-overs and tables as
+    the rule applied one request at a time."""
+    rng = np.random.default_rng(1)
+    for world in (2, 4, 8):
+        owners, owner, prefill_end = DecodeOwners(world), {}, {}
+        state = {}  # req_id -> [computed, prompt, tokens]
+        for step in range(300):
+            for _ in range(int(rng.integers(0, 4))):
+                state[f"s{step}_{_}"] = [0, int(rng.integers(1, 400)), 0]
+            for r in [r for r in state if rng.random() < 0.03]:
+                del state[r]
+            batch = []
+            for r, (computed, prompt, tokens) in state.items():
+                if rng.random() < 0.15:
+                    continue  # left out of this step
+                kind = rng.random()
+                if kind < 0.05 and computed:  # preempted: recomputed from token 0
+                    computed = 0
+                elif kind < 0.08 and computed >= prompt:  # streaming input: its prompt grew
+                    prompt = computed + int(rng.integers(2, 50))
+                left = max(prompt, tokens) - computed
+                new = 1 if left <= 0 else int(min(left, rng.integers(1, 300)))
+                tokens = max(tokens, prompt, computed + new)
+                batch.append((r, computed, new, prompt, tokens))
+                state[r] = [computed + new, prompt, tokens]
+            if not batch:
+                continue
+            live = {r: s[2] for r, s in state.items()}
+            for r, *_, tokens in batch:
+                live[r] = tokens
+            want = _reference_step(owner, prefill_end, world, batch, live)
+            ids = [b[0] for b in batch]
+            cols = [np.array([b[k] for b in batch]) for k in (1, 2, 3)]
+            got, moved = owners.step(ids, *cols, {r: SimpleNamespace(num_tokens=t) for r, t in live.items()})
+            assert (got.tolist(), moved.tolist()) == want, (world, step)
+            assert owners.owner == owner and owners.prefill_end == prefill_end
