@@ -33,7 +33,7 @@ PHASES = (
       "_build_attention_metadata", "_preprocess", "_model_forward", "_sample", "_bookkeeping_sync")),
     ("qwen36_pcp.runner", "PCPModelRunner",
      ("execute_model", "_prepare_inputs", "_plan", "_model_forward", "_owned_forward", "_share_filled_state_blocks")),
-    ("qwen36_pcp.runner", None, ("defer_cached_kv",)),
+    ("qwen36_pcp.runner", None, ("defer_staged_kv",)),
     ("qwen36_pcp.owned_batch", "OwnedBatch", ("write_heads",)),
     ("qwen36_pcp.layers.context", "PCPContext", ("__init__", "gather_output")),
 )

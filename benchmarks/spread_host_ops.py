@@ -61,6 +61,7 @@ def count_step(rank: int, group, batch: int) -> dict:
     """The calls of this rank's spread decode step of ``batch`` requests (the third of three, so that
     anything built once is built), by function and call name."""
     from vllm.config import CUDAGraphMode
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from tests import test_runner as stand_in
@@ -71,20 +72,18 @@ def count_step(rank: int, group, batch: int) -> dict:
 
     def uncounted(fn):
         def call(*args, **kwargs):
-            counter.on = False
+            was, counter.on = counter.on, False
             try:
                 return fn(*args, **kwargs)
             finally:
-                counter.on = True
+                counter.on = was
         return call
 
     for name in STAND_IN:
         setattr(GPUModelRunner, name, uncounted(getattr(GPUModelRunner, name)))
     runner.model = uncounted(runner.model)
     # the stand-in's K/V write (vLLM's is one kernel per layer): not counted
-    for _, layers in runner._attention_groups:
-        for layer in layers:
-            layer.impl = SimpleNamespace(do_kv_cache_update=uncounted(layer.impl.do_kv_cache_update))
+    FlashAttentionImpl.do_kv_cache_update = uncounted(FlashAttentionImpl.do_kv_cache_update)
     for step in range(3):
         counter.calls.clear()
         spread_decode_step(runner, batch, step, around=counter)

@@ -59,7 +59,7 @@ def _new_kv_bytes(plan: PCPPlan, s: LayerShape) -> int:
 
 def attention(plan: PCPPlan, s: LayerShape) -> list[Call]:
     """``split_attention.gather_kv_for_cache``; none at a spread decode step, whose new K/V travels
-    with the output gather (``output``, ``owned_batch.defer_cached_kv``)."""
+    with the output gather (``output``, ``owned_batch.defer_staged_kv``)."""
     return [] if plan.decode_spread_only else [("all_gather", _new_kv_bytes(plan, s), -1)]
 
 

@@ -43,7 +43,7 @@ def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases
                 "OwnedBatch.write_heads", "GPUModelRunner._determine_batch_execution_and_padding",
                 "GPUModelRunner._build_attention_metadata", "PCPModelRunner._model_forward",
                 "PCPModelRunner._owned_forward", "GPUModelRunner._model_forward", "PCPContext.__init__",
-                "runner.defer_cached_kv", "PCPContext.gather_output")
+                "runner.defer_staged_kv", "PCPContext.gather_output")
         assert {label: phases[label][1] for label in once} == dict.fromkeys(once, STEPS), phases
         assert phases["gc gen1"][1] >= 1, phases
         ms = {label: v[0] for label, v in phases.items()}
@@ -52,6 +52,6 @@ def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases
         # forward holds the model call, the K/V read back and the gather
         assert ms["PCPModelRunner._prepare_inputs"] >= (ms["GPUModelRunner._prepare_inputs"] + ms["PCPModelRunner._plan"]
                                                         + ms["OwnedBatch.write_heads"])
-        assert ms["PCPModelRunner._owned_forward"] >= (ms["GPUModelRunner._model_forward"] + ms["runner.defer_cached_kv"]
+        assert ms["PCPModelRunner._owned_forward"] >= (ms["GPUModelRunner._model_forward"] + ms["runner.defer_staged_kv"]
                                                        + ms["PCPContext.gather_output"])
         assert ms["PCPModelRunner._model_forward"] >= ms["PCPModelRunner._owned_forward"]

@@ -102,14 +102,13 @@ def _issued(rank, group, mode, layout, owner=None):
 
 
 def _spread_decode_step(rank, group, layers=3):
-    """A spread decode step's calls (``layers`` attention layers' K/V read back from their caches, then
-    the output gather) as this rank's context recorded them, with the model's."""
-    from types import SimpleNamespace
-
+    """A spread decode step's calls (``layers`` attention layers' K/V from their stage, then the output
+    gather) as this rank's context recorded them, with the model's."""
     from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.layers.context import PCPContext
-    from qwen36_pcp.owned_batch import defer_cached_kv
+    from qwen36_pcp.owned_batch import KVStage, defer_staged_kv
     from qwen36_pcp.plan import PCPPlan
+    from tests.attention_reference import pcp_attention_layers
     from tests.layer_cases import exchange_slots
 
     s, reqs = SHAPE, 5
@@ -117,10 +116,9 @@ def _spread_decode_step(rank, group, layers=3):
                    np.arange(reqs) % group.world_size, min_rows=4)
     assert plan.decode_spread_only
     ctx = PCPContext(plan, group, "cpu")
-    cache = torch.zeros(2, 4, 8, s.kv_heads, s.head_dim)
-    attention = [SimpleNamespace(kv_cache=cache, impl=SimpleNamespace(do_kv_cache_update=lambda *a: None))
-                 for _ in range(layers)]
-    defer_cached_kv(ctx, attention, exchange_slots(plan, torch.arange(reqs)))
+    attention = pcp_attention_layers([torch.zeros(2, 4, 8, s.kv_heads, s.head_dim) for _ in range(layers)])
+    KVStage(attention, plan.t_pad, torch.float32, "cpu")
+    defer_staged_kv(ctx, attention, exchange_slots(plan, torch.arange(reqs)))
     ctx.gather_output(torch.zeros(plan.t_pad, s.hidden), all_rows=False)
     modelled = step_traffic.attention(plan, s) * layers + step_traffic.output(plan, s, False, layers)
     return [(c.kind, c.nbytes, c.peer) for c in ctx.collectives], modelled

@@ -9,8 +9,8 @@ where vLLM captured it: the whole forward one graph, which replays what it read 
 buffers' heads) and the layers run without a PCP context, as at pcp == 1: each GDN layer updates the
 owned requests' states, each attention layer writes their new K/V into this rank's cache. The heads
 stay as written (vLLM rewrites them before it reads them again: ``OwnedBatch.write_heads``). The
-other ranks' caches get that K/V with the step's output gather (``defer_cached_kv``): one collective
-per step.
+other ranks' caches get that K/V with the step's output gather (``defer_staged_kv``: the layers keep
+their new rows in one ``KVStage`` as they write them, inside the graph): one collective per step.
 
 Consecutive spread decode steps of the same owners in the same order (a batch decoding on) share one
 ``OwnedBatch``: its rows, query starts, exchange rows and step tensors reach the device once, and
@@ -71,7 +71,7 @@ class OwnedBatch:
         forward only pooling and speculative decoding read them, both refused with
         ``decode="spread"`` (prompt logprobs read the host's query starts, which stay the whole
         batch's). The one whole-batch value read after the forward, the slots of the groups in
-        ``keep_slots`` where ``defer_cached_kv`` reads and writes the step's new K/V, is taken first
+        ``keep_slots`` where ``defer_staged_kv`` writes the step's new K/V, is taken first
         (``exchange_slots``). A step's sequence lengths are the host's (``num_computed_tokens`` plus
         one: without speculative decoding vLLM's device copy is the host's); they are all that a later
         step of the same batch moves to the device."""
@@ -121,8 +121,8 @@ class OwnedBatch:
 
 def kv_exchange_rows(plan: PCPPlan) -> np.ndarray:
     """[(N + 1) x t_pad] batch rows of a spread decode step's K/V exchange: first this rank's rows
-    (their K/V read back from its cache; -1: padding), then every gathered row whose K/V this rank
-    writes (rank-major; -1: padding and this rank's own rows, which its model call wrote)."""
+    (their K/V kept by its model call: ``KVStage``; -1: padding), then every gathered row whose K/V
+    this rank writes (rank-major; -1: padding and this rank's own rows, which its model call wrote)."""
     gathered = plan.gathered_full_idx()
     own = slice(plan.rank * plan.t_pad, (plan.rank + 1) * plan.t_pad)
     others = gathered.copy()
@@ -136,29 +136,53 @@ def kv_exchange_slots(slot_mapping: torch.Tensor, rows: torch.Tensor, valid: tor
     return torch.where(valid, slot_mapping.index_select(0, rows), -1)
 
 
-def defer_cached_kv(ctx: PCPContext, layers: Iterable, slots: torch.Tensor) -> None:
-    """Each attention layer's new K/V of this rank's rows, read back from its cache (where the model
-    call wrote it), to be written into the other ranks' caches by the step's output gather.
+class KVStage:
+    """Every attention layer's new K/V rows at the latest step without a PCP context, as the layer wrote
+    them to its cache (``PCPFlashAttentionImpl.do_kv_cache_update`` keeps them here), so that a spread
+    decode step sends the K/V its model call wrote with no call per layer: [rows, layers, 2, kv_heads,
+    head_dim], a row's K and V of every layer side by side (``defer_staged_kv``).
 
-    ``layers``: vLLM ``Attention`` modules (their ``kv_cache``, [2, blocks, block_size, kv_heads,
-    head_dim] in any stride order, and their impl's ``do_kv_cache_update``); ``slots``: the step's
-    ``kv_exchange_slots``."""
+    Kept by the layers' cache write itself, the copies are part of vLLM's CUDA graphs (captured after the
+    stage is attached: ``PCPModelRunner.load_model``) and cost the host nothing where a graph replays.
+    A step of more rows than the stage holds keeps nothing (its shape decides, which a graph fixes at
+    capture): only a spread decode step's rows are read, at most ``max_num_reqs``."""
+
+    def __init__(self, layers: list, rows: int, dtype: torch.dtype, device: torch.device | str):
+        impl = layers[0].impl
+        self.rows = torch.zeros(rows, len(layers), 2, impl.num_kv_heads, impl.head_size, dtype=dtype, device=device)
+        for index, layer in enumerate(layers):
+            layer.impl.kv_stage = (self, index)
+
+    def keep(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Layer ``index``'s K and V ([n, kv_heads, head_dim]) of a step's n rows."""
+        n = key.shape[0]
+        if n <= self.rows.shape[0]:
+            self.rows[:n, index, 0].copy_(key)
+            self.rows[:n, index, 1].copy_(value)
+
+
+def defer_staged_kv(ctx: PCPContext, layers: list, slots: torch.Tensor) -> None:
+    """A KV-cache group's new K/V of this rank's rows (the step's model call kept them in the layers'
+    ``KVStage``), to be written into the other ranks' caches by the step's output gather.
+
+    ``layers``: vLLM ``Attention`` modules of one group, their impls attached to one stage (their
+    ``kv_cache`` and the impl's ``write_kv``); ``slots``: the step's ``kv_exchange_slots``."""
     t_pad = ctx.plan.t_pad
     if slots.numel() != (ctx.world_size + 1) * t_pad:
         raise ValueError(f"{slots.numel()} slots for a K/V exchange of (N + 1) x t_pad = "
                          f"{(ctx.world_size + 1) * t_pad} rows (kv_exchange_slots)")
-    mine = slots[:t_pad].clamp(min=0)  # padding rows read slot 0; nobody writes them
-    others = slots[t_pad:]
-    where: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block size -> (block, offset) of ``mine``
-    for layer in layers:
-        block_size = layer.kv_cache.shape[2]
-        if block_size not in where:
-            where[block_size] = (mine // block_size, mine % block_size)
-        # [rows, 2, kv_heads, head_dim], one gather: K and V of a row side by side, so that after the
-        # output gather each is a [rows, kv_heads, head_dim] view the cache write reads as is
-        kv = layer.kv_cache.permute(1, 2, 0, 3, 4)[where[block_size]]
+    stage = layers[0].impl.kv_stage[0]
+    if t_pad > stage.rows.shape[0]:
+        raise ValueError(f"a spread decode step of {t_pad} rows; the K/V stage holds {stage.rows.shape[0]}")
+    index = [layer.impl.kv_stage[1] for layer in layers]
+    # this rank's rows: [t_pad, layers, 2, kv_heads, head_dim], a view where the group's layers are adjacent
+    kv = (stage.rows[:t_pad, index[0]:index[-1] + 1] if index == list(range(index[0], index[-1] + 1))
+          else stage.rows[:t_pad, index])
 
-        def write(k, v, slots, layer=layer):
-            layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slots)
+    def write(rows, slots):
+        # K and V of each layer: views with a row stride of their own and each row's heads contiguous,
+        # what vLLM's cache write reads (its own K and V are views of the QKV projection's rows)
+        for j, layer in enumerate(layers):
+            layer.impl.write_kv(layer, rows[:, j, 0], rows[:, j, 1], layer.kv_cache, slots)
 
-        ctx.defer_kv(DeferredKV(kv, others, write))
+    ctx.defer_kv(DeferredKV(kv, slots[t_pad:], write))

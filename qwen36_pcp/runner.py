@@ -38,7 +38,7 @@ from .draft_first_pass import split_first_pass
 from .layers.classes import adopt_pcp_attention, pcp_model_build
 from .layers.context import PCPContext, running_step
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
-from .owned_batch import OwnedBatch, defer_cached_kv
+from .owned_batch import KVStage, OwnedBatch, defer_staged_kv
 from .plan import PCPPlan, spread_decode_step
 from .state_blocks import share_completed_state_blocks
 
@@ -263,7 +263,7 @@ class PCPModelRunner(GPUModelRunner):
             hidden = torch.zeros(owned.num_rows, self.model_config.get_hidden_size(), dtype=self.dtype,
                                  device=self.device)
         for gid, layers in self._attention_layers_by_group():
-            defer_cached_kv(ctx, layers, owned.exchange_slots[gid])
+            defer_staged_kv(ctx, layers, owned.exchange_slots[gid])
         out = ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
         self._share_filled_state_blocks(plan)
         return out
@@ -339,6 +339,8 @@ class PCPModelRunner(GPUModelRunner):
         (vLLM checks ``supports_pcp`` on every attention layer)."""
         with pcp_model_build(self.vllm_config) as replacements:
             super().load_model(*args, **kwargs)
+        if self.decode_owners is not None:
+            self._attach_kv_stage([m for m in self.model.modules() if isinstance(m, Attention)])
         drafter = getattr(getattr(self, "drafter", None), "model", None)
         if drafter is not None:
             adopt_pcp_attention(drafter)
@@ -348,6 +350,13 @@ class PCPModelRunner(GPUModelRunner):
             if sharded:  # built outside load_model: its experts would be sharded over the PCP ranks
                 raise RuntimeError(f"qwen36_pcp: the MTP drafter's experts {sharded} were not built whole on "
                                    "every PCP rank (vLLM built the drafter outside the model runner's load_model)")
+
+    def _attach_kv_stage(self, layers: list) -> None:
+        """With ``decode="spread"``: the model's attention layers keep the new K/V rows they write in
+        one ``KVStage`` of ``max_num_reqs`` rows (the most a spread decode step runs), attached before
+        vLLM captures its CUDA graphs so that they hold the copies."""
+        if layers:
+            self._kv_stage = KVStage(layers, self.max_num_reqs, self.dtype, self.device)
 
     def profile_run(self) -> None:
         super().profile_run()

@@ -20,6 +20,28 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor
     flat_v[slots[keep]] = v[keep].to(flat_v.dtype)
 
 
+def pcp_attention_layers(caches: list[torch.Tensor], writer=None) -> list:
+    """vLLM ``Attention`` stand-ins over these caches ([2, blocks, block_size, kv_heads, head_dim], any
+    stride order) whose impl is the plugin's ``PCPFlashAttentionImpl`` (built without vLLM's
+    constructor), with vLLM's cache write (``reshape_and_cache_flash``, a CUDA op) replaced by
+    ``writer(k, v, key_cache, value_cache, slots)`` (default: ``write_kv_reference``) in this process:
+    call it in a rank process, not in pytest's."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    from qwen36_pcp.layers.pcp_attention import PCPFlashAttentionImpl
+
+    write = writer or write_kv_reference
+    FlashAttentionImpl.do_kv_cache_update = lambda self, layer, k, v, cache, slots: write(k, v, cache[0], cache[1], slots)
+    layers = []
+    for cache in caches:
+        impl = object.__new__(PCPFlashAttentionImpl)
+        impl.num_kv_heads, impl.head_size = cache.shape[3], cache.shape[4]
+        layers.append(SimpleNamespace(kv_cache=cache, impl=impl))
+    return layers
+
+
 def paged_causal_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
                                      value_cache: torch.Tensor, cu_q: torch.Tensor,
                                      seqused_k: torch.Tensor, block_table: torch.Tensor,

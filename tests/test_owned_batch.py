@@ -1,6 +1,7 @@
-"""A spread decode step's new K/V on 2 and 4 gloo ranks (``owned_batch.defer_cached_kv``): each rank's
-model call wrote its own rows into its caches; read back from there, every layer's rows of every rank
-reach every rank's caches with the output gather, in one collective beside the sampled rows."""
+"""A spread decode step's new K/V on 2 and 4 gloo ranks (``owned_batch.defer_staged_kv``): each rank's
+model call wrote its own rows into its caches through the plugin's attention impl, which kept them in
+the step's ``KVStage``; from there every layer's rows of every rank reach every rank's caches with the
+output gather, in one collective beside the sampled rows."""
 
 import numpy as np
 import pytest
@@ -28,28 +29,37 @@ def write_kv(k, v, cache, slots):
     cache[1][block, offset] = v[keep]
 
 
-def _step(rank, group, layers=3):
-    from types import SimpleNamespace
+def _step(rank, group, layers=3, groups=((0, 1, 2),)):
+    """``groups``: the stage indices of each KV-cache group's layers (a group's layers kept apart in the
+    stage: ``(0, 2), (1,)``)."""
+    from qwen36_pcp.owned_batch import KVStage, defer_staged_kv
 
-    from qwen36_pcp.owned_batch import defer_cached_kv
+    from .attention_reference import pcp_attention_layers
 
     num_computed, num_new = [40, 9, 3, 70, 12], [1] * 5
     plan = PCPPlan(num_computed, num_new, group.world_size, rank, PCPConfig(decode="spread"),
                    np.arange(5) % group.world_size, min_rows=4)
     block_table, slot_mapping, num_blocks = kv_layout(num_computed, num_new, BS)
     ctx = PCPContext(plan, group, "cpu", num_tokens_padded=plan.num_tokens + 3)
-    mine = torch.from_numpy(plan.local_full_idx[rank][: plan.num_local_tokens])
     every = torch.arange(5)
     kv_of = lambda layer, tok: (torch.arange(KVH * D, dtype=torch.float32).view(KVH, D) + 100 * layer  # noqa: E731
                                 + 1000 * tok.view(-1, 1, 1).float())
-    attention = []
-    for layer in range(layers):
-        # FlashAttention's cache: [2, blocks, block_size, heads, dim] as a view of another stride order
-        cache = torch.zeros(num_blocks, KVH, 2, BS, D).permute(2, 0, 3, 1, 4)
-        write_kv(kv_of(layer, mine), -kv_of(layer, mine), cache, slot_mapping[mine])  # the model call's
-        attention.append(SimpleNamespace(kv_cache=cache, impl=SimpleNamespace(
-            do_kv_cache_update=lambda lay, k, v, c, slots: write_kv(k, v, c, slots))))
-    defer_cached_kv(ctx, attention, exchange_slots(plan, slot_mapping))
+    # FlashAttention's cache: [2, blocks, block_size, heads, dim] as a view of another stride order
+    attention = pcp_attention_layers([torch.zeros(num_blocks, KVH, 2, BS, D).permute(2, 0, 3, 1, 4)
+                                      for _ in range(layers)],
+                                     writer=lambda k, v, kc, vc, slots: write_kv(k, v, (kc, vc), slots))
+    KVStage(attention, 8, torch.float32, "cpu")
+    # the model call: an earlier step of more rows (kept), then this one's, the rank's rows at the head
+    # of its batch (padding rows past them: slot -1), each layer's cache write keeping them
+    head = torch.full((plan.t_pad,), -1, dtype=torch.long)
+    head[: plan.num_local_tokens] = torch.from_numpy(plan.local_full_idx[rank][: plan.num_local_tokens])
+    for step_rows in (torch.arange(6) + 50, head):
+        for j, layer in enumerate(attention):
+            slots = torch.where(step_rows >= 0, slot_mapping[step_rows.clamp(min=0, max=4)], -1)
+            layer.impl.do_kv_cache_update(layer, kv_of(j, step_rows), -kv_of(j, step_rows), layer.kv_cache,
+                                          slots if step_rows is head else torch.full_like(slots, -1))
+    for group_layers in groups:
+        defer_staged_kv(ctx, [attention[j] for j in group_layers], exchange_slots(plan, slot_mapping))
     rows = torch.from_numpy(plan.local_full_idx[rank]).clamp(min=0)
     hidden = (rows.view(-1, 1) * 10 + torch.arange(8)).to(torch.bfloat16)
     last = ctx.gather_output(hidden, all_rows=False)
@@ -67,6 +77,11 @@ def _step(rank, group, layers=3):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cached_kv_rides_in_the_output_gather(world_size):
     for rank, out in enumerate(run_distributed(_step, world_size)):
+        assert out["collectives"] == 1 and out["sampled"] and all(out["caches"]), (rank, out)
+
+
+def test_kv_of_groups_kept_apart_in_the_stage():
+    for rank, out in enumerate(run_distributed(_step, 2, 3, ((0, 2), (1,)))):
         assert out["collectives"] == 1 and out["sampled"] and all(out["caches"]), (rank, out)
 
 

@@ -321,7 +321,7 @@ def _spread_runner(group, rank, seen, calls):
 
     from qwen36_pcp.config import PCPConfig
 
-    from .attention_reference import write_kv_reference
+    from .attention_reference import pcp_attention_layers
 
     model = _model(rank, seen)
     runner = _stand_in_runner(group, PCPConfig(decode="spread"), None, [])
@@ -332,10 +332,9 @@ def _spread_runner(group, rank, seen, calls):
     runner.optimistic_seq_lens_cpu = torch.zeros(16, dtype=torch.int32)
     runner.model_config, runner.dtype = SimpleNamespace(get_hidden_size=lambda: HIDDEN), torch.float64
     runner.max_num_reqs = 16
-    layers = [SimpleNamespace(kv_cache=torch.zeros(2, 16, 8, 1, HIDDEN, dtype=torch.float64), impl=SimpleNamespace(
-        do_kv_cache_update=lambda lay, k, v, cache, slots: write_kv_reference(k, v, cache[0], cache[1], slots)))
-        for _ in range(2)]
+    layers = pcp_attention_layers([torch.zeros(2, 16, 8, 1, HIDDEN, dtype=torch.float64) for _ in range(2)])
     runner._attention_groups = [(0, layers)]
+    runner._attach_kv_stage(layers)  # (``load_model``'s)
 
     def prepare(self, so, num_new):
         reqs, computed = len(num_new), self.input_batch.num_computed_tokens_cpu[: len(num_new)]
@@ -384,9 +383,9 @@ def _spread_runner(group, rank, seen, calls):
         if runner.pcp_step.owned is None:  # (the layers of a split step write through the context)
             return hidden
         slots = runner.input_batch.block_table[0].slot_mapping.gpu[: input_ids.shape[0]]
-        for j, layer in enumerate(layers):
+        for j, layer in enumerate(layers):  # each layer's cache write (``unified_kv_cache_update``)
             kv = _expected(input_ids, positions)[:, None, :] + j
-            write_kv_reference(kv, -kv, layer.kv_cache[0], layer.kv_cache[1], slots)
+            layer.impl.do_kv_cache_update(layer, kv, -kv, layer.kv_cache, slots)
         return hidden
 
     GPUModelRunner._prepare_inputs = prepare

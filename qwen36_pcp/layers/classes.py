@@ -5,9 +5,9 @@ themselves. These are vLLM "pluggable layers": while an out-of-tree class is reg
 layer's name (``PluggableLayer.register_oot``), constructing the layer builds that class instead. The
 PCP subclasses are registered only while the PCP model runner loads our model and its MTP drafter at
 pcp > 1 (``pcp_model_build``) and removed right after, so no other model in the process, and no later
-engine, sees them. Attention is
-not pluggable: its impl (vLLM's FlashAttention) adopts the PCP subclass after the model is built
-(``adopt_pcp_attention``); the subclass adds no state.
+engine, sees them. Attention is not pluggable: its impl (vLLM's FlashAttention) adopts the PCP
+subclass after the model is built (``adopt_pcp_attention``); the subclass adds no state but, with
+``decode="spread"``, the stage its cache writes keep (``owned_batch.KVStage``).
 """
 
 from __future__ import annotations

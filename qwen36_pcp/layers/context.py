@@ -106,12 +106,12 @@ class Collective:
 
 @dataclass(frozen=True)
 class DeferredKV:
-    """One attention layer's new K/V at a spread decode step (``owned_batch.defer_cached_kv``): this
-    rank's rows are in its cache already; the other ranks' rows reach it with the step's output gather."""
+    """A KV-cache group's new K/V at a spread decode step (``owned_batch.defer_staged_kv``): this rank's
+    rows are in its caches already; the other ranks' rows reach them with the step's output gather."""
 
-    kv: torch.Tensor  # [t_pad, 2, kv_heads, head_dim]: this rank's rows, K and V of a row side by side
+    kv: torch.Tensor  # [t_pad, ...]: this rank's rows (a row's K/V of every layer of the group)
     slots: torch.Tensor  # [N x t_pad]: the slot of each gathered row, -1 for this rank's rows and padding
-    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (k, v, slots): the layer's write
+    write: Callable[[torch.Tensor, torch.Tensor], None]  # (every rank's rows [N x t_pad, ...], slots)
 
 
 @dataclass(frozen=True)
@@ -319,10 +319,7 @@ class PCPContext:
         payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
         gathered = self.all_gather(payload.view(1, -1)).split(sizes, dim=1)  # [N, bytes] each
         for p, part in zip(pending, gathered[1:]):
-            kv = part.contiguous().view(p.kv.dtype).view(-1, *p.kv.shape[1:])  # [N x t_pad, 2, heads, dim]
-            # views with a row stride of their own and each row's heads contiguous: what vLLM's cache
-            # write reads (its own K and V are views of the QKV projection's rows)
-            p.write(kv[:, 0], kv[:, 1], p.slots)
+            p.write(part.contiguous().view(p.kv.dtype).view(-1, *p.kv.shape[1:]), p.slots)  # [N x t_pad, ...]
         return gathered[0].contiguous().view(x.dtype).view(-1, *x.shape[1:])
 
     def gather_output(self, hidden: torch.Tensor, all_rows: bool, keep_local: bool = False) -> torch.Tensor:

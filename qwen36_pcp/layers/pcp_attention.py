@@ -14,13 +14,25 @@ from .split_attention import attend_local_flash, gather_kv_for_cache
 
 class PCPFlashAttentionImpl(FlashAttentionImpl):
     supports_pcp = True
+    # (stage, this layer's index in it) with decode="spread": where the layer keeps the new K/V rows it
+    # writes at a step without a PCP context (``owned_batch.KVStage``); None: nothing kept
+    kv_stage: tuple | None = None
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         ctx = current_pcp_context()
         if ctx is None:
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            if self.kv_stage is not None:  # inside vLLM's CUDA graph where the step replays one
+                stage, index = self.kv_stage
+                stage.keep(index, key, value)
+            return
         k_all, v_all, slots = gather_kv_for_cache(ctx, key, value, slot_mapping)
         super().do_kv_cache_update(layer, k_all, v_all, kv_cache, slots)
+
+    def write_kv(self, layer, key, value, kv_cache, slots) -> None:
+        """Other ranks' K/V rows into this rank's cache (a spread decode step's exchange): written as
+        vLLM writes a step's, not kept in the stage."""
+        super().do_kv_cache_update(layer, key, value, kv_cache, slots)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:

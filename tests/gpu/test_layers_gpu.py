@@ -91,3 +91,46 @@ def test_indices_reach_the_gpu_from_pinned_memory_without_the_host_waiting():
     for item, t in zip(arrays, moved):
         array = item[0] if isinstance(item, tuple) else item
         assert t.is_cuda and np.array_equal(t.cpu().numpy(), array)
+
+
+def test_kv_stage_is_kept_by_the_cache_write_inside_a_cuda_graph():
+    """``KVStage`` on a GPU: the plugin's attention impl, with vLLM's real cache write
+    (``reshape_and_cache_flash``), captured in a CUDA graph as vLLM captures a decode step; each replay
+    with new K/V and slots writes them to the cache and keeps them in the stage, and a step of more rows
+    than the stage holds keeps nothing."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionType
+
+    from qwen36_pcp.layers.pcp_attention import PCPFlashAttentionImpl
+    from qwen36_pcp.owned_batch import KVStage
+
+    kvh, d, bs, blocks, rows = 2, 256, 16, 8, 8
+    impl = object.__new__(PCPFlashAttentionImpl)
+    impl.attn_type, impl.kv_cache_dtype, impl.num_kv_heads, impl.head_size = AttentionType.DECODER, "auto", kvh, d
+    one = torch.ones((), device="cuda")
+    layer = SimpleNamespace(impl=impl, _k_scale=one, _v_scale=one,
+                            kv_cache=torch.zeros(2, blocks, bs, kvh, d, dtype=torch.bfloat16, device="cuda"))
+    stage = KVStage([layer], rows, torch.bfloat16, "cuda")
+    qkv = torch.zeros(rows, 3, kvh, d, dtype=torch.bfloat16, device="cuda")  # K and V: views, as vLLM's
+    slots = torch.full((rows,), -1, dtype=torch.int64, device="cuda")
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture, as vLLM does
+        impl.do_kv_cache_update(layer, qkv[:, 1], qkv[:, 2], layer.kv_cache, slots)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        impl.do_kv_cache_update(layer, qkv[:, 1], qkv[:, 2], layer.kv_cache, slots)
+    for trial in range(3):
+        qkv.copy_(torch.randn_like(qkv))
+        slots.copy_(torch.randperm(blocks * bs, device="cuda")[:rows])
+        slots[-1] = -1  # a padding row: not written, still kept
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(stage.rows[:, 0, 0], qkv[:, 1]) and torch.equal(stage.rows[:, 0, 1], qkv[:, 2]), trial
+        cache = layer.kv_cache.view(2, -1, kvh, d)
+        assert torch.equal(cache[0][slots[:-1]], qkv[:-1, 1]) and torch.equal(cache[1][slots[:-1]], qkv[:-1, 2])
+    kept = stage.rows.clone()
+    more = torch.randn(rows + 1, kvh, d, dtype=torch.bfloat16, device="cuda")
+    impl.do_kv_cache_update(layer, more, more, layer.kv_cache, torch.full((rows + 1,), -1, device="cuda"))
+    assert torch.equal(stage.rows, kept)
