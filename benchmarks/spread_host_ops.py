@@ -6,8 +6,9 @@ size. This counts them, through PyTorch's dispatcher (``TorchDispatchMode``: eve
 included), in the CPU stand-in of the runner that ``tests/test_runner.py`` checks the spread step
 with (vLLM's buffers, its dispatcher, two KV-cache groups, two attention layers, real gloo ranks).
 The stand-in's own parts (vLLM's input preparation, dispatch, slot mapping, metadata build, the
-model) are left out, so what is counted is ours: the plan's device indices, the owned batch's heads,
-the K/V read back and written, the output gather.
+model, whose layers keep their K/V in the stage as they write it) are left out, so what is counted
+is ours: the plan's device indices, the owned batch's heads, the K/V sent and written, the output
+gather.
 
     python benchmarks/spread_host_ops.py            # pcp = 2, 4 at B = 1, 8; about a minute
 """
@@ -61,7 +62,6 @@ def count_step(rank: int, group, batch: int) -> dict:
     """The calls of this rank's spread decode step of ``batch`` requests (the third of three, so that
     anything built once is built), by function and call name."""
     from vllm.config import CUDAGraphMode
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from tests import test_runner as stand_in
@@ -83,7 +83,9 @@ def count_step(rank: int, group, batch: int) -> dict:
         setattr(GPUModelRunner, name, uncounted(getattr(GPUModelRunner, name)))
     runner.model = uncounted(runner.model)
     # the stand-in's K/V write (vLLM's is one kernel per layer): not counted
-    FlashAttentionImpl.do_kv_cache_update = uncounted(FlashAttentionImpl.do_kv_cache_update)
+    for _, layers in runner._attention_groups:
+        for layer in layers:
+            layer.impl.cache_writer = uncounted(layer.impl.cache_writer)
     for step in range(3):
         counter.calls.clear()
         spread_decode_step(runner, batch, step, around=counter)

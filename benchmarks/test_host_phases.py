@@ -49,7 +49,7 @@ def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases
         ms = {label: v[0] for label, v in phases.items()}
         assert all(v > 0 for v in ms.values()), ms
         # inclusive: the plugin's input preparation holds vLLM's, the plan and the heads; its owned
-        # forward holds the model call, the K/V read back and the gather
+        # forward holds the model call, the K/V sent from the stage and the gather
         assert ms["PCPModelRunner._prepare_inputs"] >= (ms["GPUModelRunner._prepare_inputs"] + ms["PCPModelRunner._plan"]
                                                         + ms["OwnedBatch.write_heads"])
         assert ms["PCPModelRunner._owned_forward"] >= (ms["GPUModelRunner._model_forward"] + ms["runner.defer_staged_kv"]

@@ -143,22 +143,26 @@ class KVStage:
     head_dim], a row's K and V of every layer side by side (``defer_staged_kv``).
 
     Kept by the layers' cache write itself, the copies are part of vLLM's CUDA graphs (captured after the
-    stage is attached: ``PCPModelRunner.load_model``) and cost the host nothing where a graph replays.
-    A step of more rows than the stage holds keeps nothing (its shape decides, which a graph fixes at
-    capture): only a spread decode step's rows are read, at most ``max_num_reqs``."""
+    stage is attached: ``PCPModelRunner.load_model``) and cost the host nothing where a graph replays;
+    elsewhere they are two calls per layer. Every step without a PCP context keeps its first rows
+    (at most the stage's): only a spread decode step's are read, at most ``max_num_reqs``."""
 
     def __init__(self, layers: list, rows: int, dtype: torch.dtype, device: torch.device | str):
-        impl = layers[0].impl
-        self.rows = torch.zeros(rows, len(layers), 2, impl.num_kv_heads, impl.head_size, dtype=dtype, device=device)
+        shapes = {(layer.impl.num_kv_heads, layer.impl.head_size) for layer in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"one K/V stage for attention layers of different shapes {sorted(shapes)}")
+        (heads, dim), = shapes
+        self.rows = torch.zeros(rows, len(layers), 2, heads, dim, dtype=dtype, device=device)
         for index, layer in enumerate(layers):
             layer.impl.kv_stage = (self, index)
 
     def keep(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Layer ``index``'s K and V ([n, kv_heads, head_dim]) of a step's n rows."""
-        n = key.shape[0]
-        if n <= self.rows.shape[0]:
-            self.rows[:n, index, 0].copy_(key)
-            self.rows[:n, index, 1].copy_(value)
+        """Layer ``index``'s K and V ([n, kv_heads, head_dim]) of a step's first rows."""
+        if key.dtype != self.rows.dtype:
+            raise TypeError(f"K/V of {key.dtype} for a K/V stage of {self.rows.dtype}")
+        n = min(key.shape[0], self.rows.shape[0])
+        self.rows[:n, index, 0].copy_(key[:n])
+        self.rows[:n, index, 1].copy_(value[:n])
 
 
 def defer_staged_kv(ctx: PCPContext, layers: list, slots: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from .decode_owners import DecodeOwners
 from .draft_first_pass import split_first_pass
 from .layers.classes import adopt_pcp_attention, pcp_model_build
 from .layers.context import PCPContext, running_step
+from .layers.pcp_attention import PCPFlashAttentionImpl
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .owned_batch import KVStage, OwnedBatch, defer_staged_kv
 from .plan import PCPPlan, spread_decode_step
@@ -354,7 +355,12 @@ class PCPModelRunner(GPUModelRunner):
     def _attach_kv_stage(self, layers: list) -> None:
         """With ``decode="spread"``: the model's attention layers keep the new K/V rows they write in
         one ``KVStage`` of ``max_num_reqs`` rows (the most a spread decode step runs), attached before
-        vLLM captures its CUDA graphs so that they hold the copies."""
+        vLLM captures its CUDA graphs so that they hold the copies (``load_model``; vLLM captures in
+        ``capture_model``, after it)."""
+        other = [type(layer.impl).__name__ for layer in layers if not isinstance(layer.impl, PCPFlashAttentionImpl)]
+        if other:
+            raise RuntimeError(f"qwen36_pcp: decode=\"spread\" needs the PCP attention impl on every attention "
+                               f"layer, found {sorted(set(other))}")
         if layers:
             self._kv_stage = KVStage(layers, self.max_num_reqs, self.dtype, self.device)
 

@@ -23,21 +23,27 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor
 def pcp_attention_layers(caches: list[torch.Tensor], writer=None) -> list:
     """vLLM ``Attention`` stand-ins over these caches ([2, blocks, block_size, kv_heads, head_dim], any
     stride order) whose impl is the plugin's ``PCPFlashAttentionImpl`` (built without vLLM's
-    constructor), with vLLM's cache write (``reshape_and_cache_flash``, a CUDA op) replaced by
-    ``writer(k, v, key_cache, value_cache, slots)`` (default: ``write_kv_reference``) in this process:
-    call it in a rank process, not in pytest's."""
+    constructor) over a FlashAttention impl whose cache write (vLLM's ``reshape_and_cache_flash``, a
+    CUDA op) is the impl's ``cache_writer(k, v, key_cache, value_cache, slots)`` (default:
+    ``write_kv_reference``)."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
     from qwen36_pcp.layers.pcp_attention import PCPFlashAttentionImpl
 
-    write = writer or write_kv_reference
-    FlashAttentionImpl.do_kv_cache_update = lambda self, layer, k, v, cache, slots: write(k, v, cache[0], cache[1], slots)
+    class CPUCacheWrite(FlashAttentionImpl):
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
+            self.cache_writer(key, value, kv_cache[0], kv_cache[1], slots)
+
+    class Impl(PCPFlashAttentionImpl, CPUCacheWrite):  # the plugin's impl, then the CPU cache write
+        pass
+
     layers = []
     for cache in caches:
-        impl = object.__new__(PCPFlashAttentionImpl)
+        impl = object.__new__(Impl)
         impl.num_kv_heads, impl.head_size = cache.shape[3], cache.shape[4]
+        impl.cache_writer = writer or write_kv_reference
         layers.append(SimpleNamespace(kv_cache=cache, impl=impl))
     return layers
 

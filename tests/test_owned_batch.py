@@ -108,3 +108,21 @@ def test_exchange_slots_are_the_gathered_slots_of_each_rank_and_of_the_others():
             assert torch.equal(slots[: plan.t_pad], every[rank])
             every[rank] = -1
             assert torch.equal(slots[plan.t_pad:], every.view(-1))
+
+
+def test_the_stage_keeps_a_steps_first_rows_and_refuses_what_it_cannot_hold():
+    from qwen36_pcp.owned_batch import KVStage
+
+    from .attention_reference import pcp_attention_layers
+
+    layers = pcp_attention_layers([torch.zeros(2, 4, BS, KVH, D) for _ in range(2)])
+    stage = KVStage(layers, 3, torch.float32, "cpu")
+    assert [layer.impl.kv_stage[1] for layer in layers] == [0, 1]
+    k = torch.randn(5, KVH, D)
+    layers[1].impl.do_kv_cache_update(layers[1], k, -k, layers[1].kv_cache, torch.full((5,), -1))
+    assert torch.equal(stage.rows[:, 1, 0], k[:3]) and torch.equal(stage.rows[:, 1, 1], -k[:3])
+    assert not stage.rows[:, 0].any()
+    with pytest.raises(TypeError):
+        stage.keep(0, k.double(), k.double())
+    with pytest.raises(ValueError):
+        KVStage(layers + pcp_attention_layers([torch.zeros(2, 4, BS, 1, D)]), 3, torch.float32, "cpu")

@@ -755,3 +755,39 @@ def test_a_context_for_another_row_count_shares_the_steps_tensors():
     assert other.num_tokens_padded == 3008 and other.t is ctx.t and other.plan is plan and ctx.num_tokens_padded == 3004
     with pytest.raises(ValueError, match="smaller"):
         ctx.for_rows(2999)
+
+
+@pytest.mark.parametrize("decode", ["spread", "replicated"])
+def test_load_model_gives_the_attention_layers_their_kv_stage(monkeypatch, decode):
+    """With ``decode="spread"`` the runner's ``load_model`` (vLLM's part stood in for: it builds the
+    model) attaches one K/V stage to every attention layer of the model, before vLLM's
+    ``capture_model`` captures the graphs that must hold its copies; with ``"replicated"``, none."""
+    import contextlib
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import qwen36_pcp.runner as runner_module
+    from qwen36_pcp.decode_owners import DecodeOwners
+    from qwen36_pcp.layers.pcp_attention import PCPFlashAttentionImpl
+    from qwen36_pcp.runner import PCPModelRunner
+
+    class StubAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.impl = object.__new__(PCPFlashAttentionImpl)
+            self.impl.num_kv_heads, self.impl.head_size = 2, 8
+
+    monkeypatch.setattr(runner_module, "Attention", StubAttention)
+    monkeypatch.setattr(runner_module, "pcp_model_build", lambda config: contextlib.nullcontext({}))
+    monkeypatch.setattr(GPUModelRunner, "load_model", lambda self, *a, **kw: setattr(
+        self, "model", torch.nn.Sequential(StubAttention(), torch.nn.Linear(1, 1), StubAttention())))
+    runner = object.__new__(PCPModelRunner)
+    runner.decode_owners = DecodeOwners(2) if decode == "spread" else None
+    runner.vllm_config, runner.max_num_reqs, runner.dtype, runner.device = None, 4, torch.float32, torch.device("cpu")
+    runner.load_model()
+    stages = [runner.model[i].impl.kv_stage for i in (0, 2)]
+    if decode == "replicated":
+        assert stages == [None, None]
+        return
+    assert [index for _, index in stages] == [0, 1] and stages[0][0] is stages[1][0] is runner._kv_stage
+    assert runner._kv_stage.rows.shape == (4, 2, 2, 2, 8)

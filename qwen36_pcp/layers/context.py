@@ -305,7 +305,7 @@ class PCPContext:
         return self.group.recv(like.shape, like.dtype, src)
 
     def defer_kv(self, layer_kv: DeferredKV) -> None:
-        """Carry an attention layer's new K/V to the other ranks with the output gather."""
+        """Carry a KV-cache group's new K/V to the other ranks with the output gather."""
         self.deferred_kv.append(layer_kv)
 
     def _gather_with_deferred_kv(self, x: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ def test_kv_stage_is_kept_by_the_cache_write_inside_a_cuda_graph():
     """``KVStage`` on a GPU: the plugin's attention impl, with vLLM's real cache write
     (``reshape_and_cache_flash``), captured in a CUDA graph as vLLM captures a decode step; each replay
     with new K/V and slots writes them to the cache and keeps them in the stage, and a step of more rows
-    than the stage holds keeps nothing."""
+    than the stage holds keeps its first rows."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backend import AttentionType
@@ -130,7 +130,6 @@ def test_kv_stage_is_kept_by_the_cache_write_inside_a_cuda_graph():
         assert torch.equal(stage.rows[:, 0, 0], qkv[:, 1]) and torch.equal(stage.rows[:, 0, 1], qkv[:, 2]), trial
         cache = layer.kv_cache.view(2, -1, kvh, d)
         assert torch.equal(cache[0][slots[:-1]], qkv[:-1, 1]) and torch.equal(cache[1][slots[:-1]], qkv[:-1, 2])
-    kept = stage.rows.clone()
     more = torch.randn(rows + 1, kvh, d, dtype=torch.bfloat16, device="cuda")
-    impl.do_kv_cache_update(layer, more, more, layer.kv_cache, torch.full((rows + 1,), -1, device="cuda"))
-    assert torch.equal(stage.rows, kept)
+    impl.do_kv_cache_update(layer, more, -more, layer.kv_cache, torch.full((rows + 1,), -1, device="cuda"))
+    assert torch.equal(stage.rows[:, 0, 0], more[:rows]) and torch.equal(stage.rows[:, 0, 1], -more[:rows])
