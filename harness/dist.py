@@ -99,9 +99,11 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 
 
 # Importing vLLM takes ~13 CPU seconds, and 8 ranks on 2 cores would spend a minute on it: the gloo ranks
-# are forked from one server process that has imported vLLM's process-group module once (it does
-# nothing else, so every rank starts clean). NCCL ranks are spawned (CUDA does not survive a fork).
-_PRELOAD = ["vllm.config", "vllm.distributed.parallel_state", "harness.dist"]
+# are forked from one server process that has imported vLLM's process-group module and the plugin's
+# runner (with its layers and vLLM's model runner: ~4 more CPU seconds a rank would pay) once; it does
+# nothing else, so every rank starts clean. NCCL ranks are spawned (CUDA does not survive a fork).
+_PRELOAD = ["vllm.config", "vllm.distributed.parallel_state", "qwen36_pcp.runner", "harness.shared_gpu",
+            "harness.dist"]
 
 
 def _context(backend: str):
@@ -110,6 +112,14 @@ def _context(backend: str):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def start_gloo_server() -> None:
+    """Start the gloo ranks' server now (it imports in the background; the first run waits for it)."""
+    from multiprocessing import forkserver
+
+    _context("gloo")
+    forkserver.ensure_running()
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo") -> list:

@@ -9,7 +9,8 @@ first thing in a fresh process; nothing here ever runs a kernel.
 ``current_platform`` at import (``vllm.config.model``, ``vllm.config.parallel``, ...), so in a process
 forked from ``harness.dist``'s server (which preloads ``vllm.config``) they would keep vLLM's real
 (unspecified) platform. ``RankServer`` is the cheap way to run many such processes: one spawned process
-sets the fake platform up first, imports vLLM and the plugin once, and forks fresh ranks from there.
+sets the fake platform up first, imports vLLM and the plugin once, and forks fresh ranks from there
+(one server for a whole test run: the ``fake_cuda_ranks`` fixture of the repository's conftest.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ def use_fake_cuda() -> None:
     import vllm.platforms as platforms
     from vllm.platforms.interface import UnspecifiedPlatform
 
+    if getattr(platforms._current_platform, "fake_cuda", False):
+        return  # forked from a RankServer: keep the instance vLLM's modules bound (tests patch its class)
+
     class FakeCudaPlatform(UnspecifiedPlatform):
         device_type = "cuda"
+        fake_cuda = True
 
         @classmethod
         def current_device(cls):
@@ -97,6 +102,9 @@ SERVER_PRELOAD = (
     "vllm.v1.engine.core",
     "vllm.v1.core.sched.scheduler",
     "safetensors",
+    # the checkpoint maker's tensor names come from these (~6 s to import: fla's kernels with them)
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
 )
 
 
@@ -104,7 +112,8 @@ def _rank_main(fn, rank, world_size, port, args, queue):
     try:
         import torch
 
-        torch.set_num_threads(1)
+        if world_size > 1:  # the ranks share the cores
+            torch.set_num_threads(1)
         result = fn(rank, world_size, port, *args)
         import torch.distributed as dist
 
@@ -185,6 +194,14 @@ def _serve(conn, preload):
             conn.send(("error", traceback.format_exc()))
 
 
+def _isolated(rank, world_size, port, fn, args) -> bytes:
+    """``RankServer.isolated``'s one process: the result pickled with its tensors' data (through the
+    queue a tensor travels as a handle to this process's shared memory, gone once it has exited)."""
+    import pickle
+
+    return pickle.dumps(fn(*args))
+
+
 class RankServer:
     """Fake-CUDA rank processes at the price of one vLLM import.
 
@@ -215,6 +232,14 @@ class RankServer:
         if status == "error":
             raise AssertionError(payload)
         return payload
+
+    def isolated(self, fn, *args, timeout: float = 600.0):
+        """``fn(*args)`` in one fresh process (``harness.dist.run_isolated``'s contract: vLLM's
+        process-global state stays out of pytest and out of the next run), without its vLLM import."""
+        import pickle
+
+        (payload,) = self.run(_isolated, 1, fn, args, timeout=timeout)
+        return pickle.loads(payload)
 
     def close(self) -> None:
         if self._proc.is_alive():

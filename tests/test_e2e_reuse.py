@@ -114,8 +114,12 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
 
         def generate(self, prompts, sp, use_tqdm=False):
             assert all(p["prompt_token_ids"] for p in prompts)
+            logprob = types.SimpleNamespace(logprob=-1.0)
+
             def prompt_logprobs(ids):  # vLLM's shape: None for the first token, then {token: Logprob}
-                return [None] + [{t: types.SimpleNamespace(logprob=-1.0)} for t in ids[1:]]
+                if not getattr(sp, "prompt_logprobs", None):
+                    return None  # as vLLM: only when the sampling parameters ask for them
+                return [None] + [{t: logprob} for t in ids[1:]]
             return [types.SimpleNamespace(outputs=[Output(sp.max_tokens)], num_cached_tokens=0,
                                           prompt_logprobs=prompt_logprobs(p["prompt_token_ids"]))
                     for p in prompts]

@@ -11,7 +11,7 @@
   rounding, and our model, built with vLLM's ``Fp8Config`` as vLLM's loader builds it, loads every
   tensor through vLLM's own weight loaders.
 
-Everything vLLM-side runs in one fresh process (one vLLM import for the file).
+Everything vLLM-side runs in one fresh process, forked from the session's fake-CUDA server.
 """
 
 import json
@@ -19,8 +19,6 @@ import math
 from pathlib import Path
 
 import pytest
-
-from harness.dist import run_isolated
 
 ARCH = "Qwen3_6ForCausalLM"
 OVERRIDES = {"architectures": [ARCH]}
@@ -146,8 +144,8 @@ def _vllm_side(root):
 
 
 @pytest.fixture(scope="module")
-def vllm_side(tmp_path_factory):
-    return run_isolated(_vllm_side, str(tmp_path_factory.mktemp("fp8")))
+def vllm_side(tmp_path_factory, fake_cuda_ranks):
+    return fake_cuda_ranks.isolated(_vllm_side, str(tmp_path_factory.mktemp("fp8")))
 
 
 def _tensors(path):

@@ -3,16 +3,15 @@ and pcp=8, vLLM's process-group layout (ExternalDP x DP x PP x PCP x TP, TP fast
 all-gather order the plugin relies on, the model built and loaded on every rank (PCP layers, expert
 placement replicated vs sharded), and the whole-experts memory check at tp > 1 and pcp = 8.
 
-All ranks are forked from one fake-CUDA server process (``tests.fake_cuda.RankServer``): one vLLM import
-for the whole file, fresh processes (fresh vLLM globals) for every topology.
+All ranks are forked from the session's fake-CUDA server process (``tests.fake_cuda.RankServer``, the
+``fake_cuda_ranks`` fixture): no vLLM import of their own, fresh processes (fresh vLLM globals) for
+every topology.
 """
 
 import json
 import re
 
 import pytest
-
-from tests.fake_cuda import RankServer
 
 ARCH = "Qwen3_6ForCausalLM"
 OVERRIDES = {"architectures": [ARCH]}
@@ -23,9 +22,8 @@ SHORT_ROPE = {"text_config": {"max_position_embeddings": 4096}}
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RankServer() as s:
-        yield s
+def server(fake_cuda_ranks):
+    return fake_cuda_ranks
 
 
 def _make_checkpoint(rank, world_size, port, path):

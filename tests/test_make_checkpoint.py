@@ -620,17 +620,15 @@ def _vllm_loads(ckpt: str, drop: str | None, extra: str | None) -> dict:
 
 
 def _vllm_loads_cases(tiny: str, tiny_dense: str) -> dict:
-    """Every case in one fresh process (one vLLM import)."""
+    """Every case in one fresh process (forked from the session's fake-CUDA server)."""
     return {"tiny": _vllm_loads(tiny, None, None), "tiny_dense": _vllm_loads(tiny_dense, None, None),
             "dropped_and_foreign": _vllm_loads(tiny, "model.language_model.layers.3.self_attn.k_proj.weight",
                                                "model.language_model.layers.0.linear_attn.bogus.weight")}
 
 
 @pytest.fixture(scope="module")
-def vllm_loads(tiny, tiny_dense) -> dict:
-    from harness.dist import run_isolated
-
-    return run_isolated(_vllm_loads_cases, str(tiny), str(tiny_dense))
+def vllm_loads(tiny, tiny_dense, fake_cuda_ranks) -> dict:
+    return fake_cuda_ranks.isolated(_vllm_loads_cases, str(tiny), str(tiny_dense))
 
 
 @pytest.mark.parametrize("which", ["tiny", "tiny_dense"])

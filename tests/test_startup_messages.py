@@ -166,10 +166,10 @@ def _nnodes_startup(ckpt, port):
     return out
 
 
-def test_pcp_across_nodes_one_message_with_the_numbers(tiny_config_only):
+def test_pcp_across_nodes_one_message_with_the_numbers(tiny_config_only, fake_cuda_ranks):
     from tests.fake_cuda import free_port
 
-    out = run_isolated(_nnodes_startup, tiny_config_only, free_port())
+    out = fake_cuda_ranks.isolated(_nnodes_startup, tiny_config_only, free_port())
     for key in ("llm", "serve", "serve_headless"):
         msg = out[key]
         assert msg and msg.startswith("ValueError: qwen36_pcp: vLLM 0.20.2 needs tensor_parallel_size x "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from harness.dist import run_isolated
 from tests.media import image_tokens, video_tokens
 
 VL_ARCH = "Qwen3_6ForConditionalGeneration"
@@ -46,11 +45,11 @@ def _processed(ckpt: str) -> dict:
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-dense"])
-def processed(request, tmp_path_factory):
+def processed(request, tmp_path_factory, fake_cuda_ranks):
     from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / request.param, preset=request.param, seed=0)
-    return run_isolated(_processed, str(ckpt))
+    return fake_cuda_ranks.isolated(_processed, str(ckpt))
 
 
 def test_images_and_video_become_their_placeholder_tokens(processed):

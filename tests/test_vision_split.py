@@ -39,14 +39,12 @@ def test_frame_bounds_balance_patches_in_order():
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpt_server(tmp_path_factory):
-    """A tiny checkpoint and one fake-CUDA rank server for the tests below (one vLLM import)."""
+def tiny_ckpt_server(tmp_path_factory, fake_cuda_ranks):
+    """A tiny checkpoint and the session's fake-CUDA rank server for the tests below."""
     from qwen36_pcp.tools.make_checkpoint import make_checkpoint
-    from tests.fake_cuda import RankServer
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0)
-    with RankServer() as server:
-        yield str(ckpt), server
+    return str(ckpt), fake_cuda_ranks
 
 
 def _real_tower(rank, world_size, port, ckpt: str) -> dict:

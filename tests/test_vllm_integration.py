@@ -7,8 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.dist import run_isolated
-
 ARCH = "Qwen3_6ForCausalLM"
 VL_ARCH = "Qwen3_6ForConditionalGeneration"
 OVERRIDES = {"architectures": [ARCH]}
@@ -136,8 +134,8 @@ def _configs(ckpt):
     return out
 
 
-def test_config_resolution_and_startup_errors(tiny_ckpt):
-    out = run_isolated(_configs, tiny_ckpt)
+def test_config_resolution_and_startup_errors(tiny_ckpt, fake_cuda_ranks):
+    out = fake_cuda_ranks.isolated(_configs, tiny_ckpt)
     assert out["registered"] and out["arch"] == ARCH and out["model_cls"] == ARCH
     assert out["inspect_subprocesses"] == 0  # resolving the architecture costs no Python subprocess
     assert out["is_hybrid"] and out["world_size"] == 2 and out["mamba_ssm_dtype"] == "float32"
@@ -243,8 +241,8 @@ def _kv_guards(ckpt):
     return out
 
 
-def test_replicated_kv_guards_only_for_our_model(tiny_ckpt):
-    out = run_isolated(_kv_guards, tiny_ckpt)
+def test_replicated_kv_guards_only_for_our_model(tiny_ckpt, fake_cuda_ranks):
+    out = fake_cuda_ranks.isolated(_kv_guards, tiny_ckpt)
     print(json.dumps(out, indent=1))
     for caching in ("nocache", "cache"):
         ours1, ours2 = out[f"ours_pcp1_{caching}"], out[f"ours_pcp2_{caching}"]
@@ -302,8 +300,8 @@ def _model(ckpt, pcp, arch=ARCH):
 
 
 def _models(ckpt, dense_ckpt):
-    """Both models in one fresh process (one vLLM import), the vision-language one of the dense layout
-    at pcp=2, and our model at pcp=2 built by a runner that is not the PCP one."""
+    """Both models in one fresh process, the vision-language one of the dense layout at pcp=2, and our
+    model at pcp=2 built by a runner that is not the PCP one."""
     from harness.dist import error_of
     from tests.fake_cuda import build_model, engine_config
 
@@ -316,11 +314,11 @@ def _models(ckpt, dense_ckpt):
 
 
 @pytest.fixture(scope="module")
-def models(tiny_ckpt, tmp_path_factory):
+def models(tiny_ckpt, tmp_path_factory, fake_cuda_ranks):
     from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
     dense = str(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-dense", preset="tiny-dense", seed=0))
-    return run_isolated(_models, tiny_ckpt, dense)
+    return fake_cuda_ranks.isolated(_models, tiny_ckpt, dense)
 
 
 def test_dense_vision_language_model_builds_with_pcp_layers(models):

@@ -32,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -175,6 +176,16 @@ class ProbeDone(RuntimeError):
     """Raised by the probe worker's init_device once it has written what it found."""
 
 
+def _await_the_nodes_probes(probe_dir: Path, local_world_size: int, timeout: float = 120.0) -> None:
+    """Returns once every worker of this node has written its probe (or after ``timeout``): vLLM's
+    launcher ends all of a node's workers as soon as one fails to start, so a probe that stopped first
+    would cut off a sibling still importing (one that never writes leaves its file missing: the test
+    fails on that)."""
+    deadline = time.monotonic() + timeout
+    while len(list(probe_dir.glob("worker*.json"))) < local_world_size and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 _probe_worker = None
 _installed_before_worker_cls = None
 
@@ -199,6 +210,7 @@ def __getattr__(name):  # ``tests.test_worker_start.ProbeWorker``, built only wh
 
                     result = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
                 path.write_text(json.dumps(result))
+                _await_the_nodes_probes(path.parent, self.parallel_config.local_world_size)
                 raise ProbeDone("probe written: the worker stops before building its model")
 
         _probe_worker = ProbeWorker
