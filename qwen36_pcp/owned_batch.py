@@ -4,7 +4,7 @@ At a step of decode rows alone (``decode="spread"``, every row owned) each rank 
 path on its own requests as if they were the whole batch. Before vLLM builds the step's attention
 metadata, their values are written to the head of the runner's persistent buffers that metadata is
 built from (query starts, sequence lengths on the device and the host, every KV-cache group's
-block-table rows and slot mapping); vLLM's dispatcher then picks the CUDA graph of that batch (FULL
+block-table rows, the attention groups' slot mapping); vLLM's dispatcher then picks the CUDA graph of that batch (FULL
 where vLLM captured it: the whole forward one graph, which replays what it read at capture, those
 buffers' heads) and the layers run without a PCP context, as at pcp == 1: each GDN layer updates the
 owned requests' states, each attention layer writes their new K/V into this rank's cache. The heads
@@ -60,7 +60,7 @@ class OwnedBatch:
     def num_reqs(self) -> int:
         return len(self.reqs)
 
-    def write_heads(self, runner, keep_slots: Iterable[int] = ()) -> None:
+    def write_heads(self, runner, attention_groups: Iterable[int] = ()) -> None:
         """The owned requests' rows at the head of the runner's metadata buffers (``num_rows`` of
         them; the rows past ``num_reqs`` are padding: vLLM's metadata build fills their block-table
         rows with the null block, ``_get_slot_mappings`` their slots with -1).
@@ -70,9 +70,10 @@ class OwnedBatch:
         batch's size: rows past it are stale in vLLM too, the slot mapping whole), and after the
         forward only pooling and speculative decoding read them, both refused with
         ``decode="spread"`` (prompt logprobs read the host's query starts, which stay the whole
-        batch's). The one whole-batch value read after the forward, the slots of the groups in
-        ``keep_slots`` where ``defer_staged_kv`` writes the step's new K/V, is taken first
-        (``exchange_slots``). A step's sequence lengths are the host's (``num_computed_tokens`` plus
+        batch's). Slots are read by attention layers alone (vLLM 0.20.2's GDN metadata takes block-table
+        rows, not slots), so only ``attention_groups``' slot heads are written; the one whole-batch value
+        read after the forward, those groups' slots where ``defer_staged_kv`` writes the step's new K/V,
+        is taken first (``exchange_slots``). A step's sequence lengths are the host's (``num_computed_tokens`` plus
         one: without speculative decoding vLLM's device copy is the host's); they are all that a later
         step of the same batch moves to the device."""
         n, rows = self.num_reqs, self.num_rows
@@ -96,14 +97,17 @@ class OwnedBatch:
             (self.lens,) = to_device_all(device, (lens, torch.int32))
         self.max_len = int(lens.max(initial=0))
         reqs, tokens, starts_dev, rows_dev, valid = self._device
-        self.exchange_slots = {g: kv_exchange_slots(tables[g].slot_mapping.gpu, rows_dev, valid) for g in keep_slots}
+        attention_groups = list(attention_groups)
+        self.exchange_slots = {g: kv_exchange_slots(tables[g].slot_mapping.gpu, rows_dev, valid)
+                               for g in attention_groups}
         runner.query_start_loc.gpu[: rows + 1].copy_(starts_dev)
         runner.seq_lens[:rows].copy_(self.lens)
         host[:rows] = lens
         if n:
             for table in tables:  # each selected before its head is written
                 table.block_table.gpu[:n].copy_(table.block_table.gpu.index_select(0, reqs))
-                table.slot_mapping.gpu[:n].copy_(table.slot_mapping.gpu.index_select(0, tokens))
+            for g in attention_groups:
+                tables[g].slot_mapping.gpu[:n].copy_(tables[g].slot_mapping.gpu.index_select(0, tokens))
 
     def step_tensors(self, plan: PCPPlan, device: torch.device) -> StepTensors:
         """``plan``'s step tensors (``PCPContext``'s), built at the batch's first step: they depend on the

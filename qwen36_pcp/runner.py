@@ -109,7 +109,7 @@ class PCPModelRunner(GPUModelRunner):
         self.draft_ctx = None  # set again by a split step whose drafter splits (_model_forward)
         plan, owned = self._plan(num_scheduled_tokens)
         if owned is not None:
-            owned.write_heads(self, keep_slots=[g for g, _ in self._attention_layers_by_group()])
+            owned.write_heads(self, attention_groups=[g for g, _ in self._attention_layers_by_group()])
         self.pcp_step = PCPStep(plan, logits_indices, owned)
         return logits_indices, spec_decode_metadata
 

@@ -24,8 +24,8 @@ def pcp_attention_layers(caches: list[torch.Tensor], writer=None) -> list:
     """vLLM ``Attention`` stand-ins over these caches ([2, blocks, block_size, kv_heads, head_dim], any
     stride order) whose impl is the plugin's ``PCPFlashAttentionImpl`` (built without vLLM's
     constructor) over a FlashAttention impl whose cache write (vLLM's ``reshape_and_cache_flash``, a
-    CUDA op) is the impl's ``cache_writer(k, v, key_cache, value_cache, slots)`` (default:
-    ``write_kv_reference``)."""
+    CUDA op) is the impl's ``cache_writer(k, v, kv_cache, slots)`` (default: ``write_kv_reference`` on
+    the cache's K and V)."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
@@ -34,7 +34,7 @@ def pcp_attention_layers(caches: list[torch.Tensor], writer=None) -> list:
 
     class CPUCacheWrite(FlashAttentionImpl):
         def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
-            self.cache_writer(key, value, kv_cache[0], kv_cache[1], slots)
+            self.cache_writer(key, value, kv_cache, slots)
 
     class Impl(PCPFlashAttentionImpl, CPUCacheWrite):  # the plugin's impl, then the CPU cache write
         pass
@@ -43,7 +43,7 @@ def pcp_attention_layers(caches: list[torch.Tensor], writer=None) -> list:
     for cache in caches:
         impl = object.__new__(Impl)
         impl.num_kv_heads, impl.head_size = cache.shape[3], cache.shape[4]
-        impl.cache_writer = writer or write_kv_reference
+        impl.cache_writer = writer or (lambda k, v, cache, slots: write_kv_reference(k, v, cache[0], cache[1], slots))
         layers.append(SimpleNamespace(kv_cache=cache, impl=impl))
     return layers
 

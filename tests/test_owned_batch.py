@@ -46,8 +46,7 @@ def _step(rank, group, layers=3, groups=((0, 1, 2),)):
                                 + 1000 * tok.view(-1, 1, 1).float())
     # FlashAttention's cache: [2, blocks, block_size, heads, dim] as a view of another stride order
     attention = pcp_attention_layers([torch.zeros(num_blocks, KVH, 2, BS, D).permute(2, 0, 3, 1, 4)
-                                      for _ in range(layers)],
-                                     writer=lambda k, v, kc, vc, slots: write_kv(k, v, (kc, vc), slots))
+                                      for _ in range(layers)], writer=write_kv)
     KVStage(attention, 8, torch.float32, "cpu")
     # the model call: an earlier step of more rows (kept), then this one's, the rank's rows at the head
     # of its batch (padding rows past them: slot -1), each layer's cache write keeping them
