@@ -31,7 +31,7 @@ def _rank_servers(request):
 
 @pytest.fixture(scope="session")
 def fake_cuda_ranks(_rank_servers):
-    """The session's ``tests.fake_cuda.RankServer``: ``run`` forks fresh ranks, ``isolated`` one process."""
+    """The test run's ``tests.fake_cuda.RankServer``: ``run`` forks fresh ranks, ``isolated`` one process."""
     if _rank_servers is not None:
         yield _rank_servers
         return

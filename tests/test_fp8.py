@@ -11,7 +11,7 @@
   rounding, and our model, built with vLLM's ``Fp8Config`` as vLLM's loader builds it, loads every
   tensor through vLLM's own weight loaders.
 
-Everything vLLM-side runs in one fresh process, forked from the session's fake-CUDA server.
+Everything vLLM-side runs in one fresh process, forked from the test run's fake-CUDA server.
 """
 
 import json

@@ -3,7 +3,7 @@ and pcp=8, vLLM's process-group layout (ExternalDP x DP x PP x PCP x TP, TP fast
 all-gather order the plugin relies on, the model built and loaded on every rank (PCP layers, expert
 placement replicated vs sharded), and the whole-experts memory check at tp > 1 and pcp = 8.
 
-All ranks are forked from the session's fake-CUDA server process (``tests.fake_cuda.RankServer``, the
+All ranks are forked from the test run's fake-CUDA server process (``tests.fake_cuda.RankServer``, the
 ``fake_cuda_ranks`` fixture): no vLLM import of their own, fresh processes (fresh vLLM globals) for
 every topology.
 """

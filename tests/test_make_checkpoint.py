@@ -620,7 +620,7 @@ def _vllm_loads(ckpt: str, drop: str | None, extra: str | None) -> dict:
 
 
 def _vllm_loads_cases(tiny: str, tiny_dense: str) -> dict:
-    """Every case in one fresh process (forked from the session's fake-CUDA server)."""
+    """Every case in one fresh process (forked from the test run's fake-CUDA server)."""
     return {"tiny": _vllm_loads(tiny, None, None), "tiny_dense": _vllm_loads(tiny_dense, None, None),
             "dropped_and_foreign": _vllm_loads(tiny, "model.language_model.layers.3.self_attn.k_proj.weight",
                                                "model.language_model.layers.0.linear_attn.bogus.weight")}

@@ -40,7 +40,7 @@ def test_frame_bounds_balance_patches_in_order():
 
 @pytest.fixture(scope="module")
 def tiny_ckpt_server(tmp_path_factory, fake_cuda_ranks):
-    """A tiny checkpoint and the session's fake-CUDA rank server for the tests below."""
+    """A tiny checkpoint and the test run's fake-CUDA rank server for the tests below."""
     from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0)
