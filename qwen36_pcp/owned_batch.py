@@ -4,9 +4,9 @@ At a step of decode rows alone (``decode="spread"``, every row owned) each rank 
 path on its own requests as if they were the whole batch. Before vLLM builds the step's attention
 metadata, their values are written to the head of the runner's persistent buffers that metadata is
 built from (query starts, sequence lengths on the device and the host, every KV-cache group's
-block-table rows, the attention groups' slot mapping); vLLM's dispatcher then picks the CUDA graph of that batch (FULL
-where vLLM captured it: the whole forward one graph, which replays what it read at capture, those
-buffers' heads) and the layers run without a PCP context, as at pcp == 1: each GDN layer updates the
+block-table rows, the attention groups' slot mapping); vLLM's dispatcher then picks the CUDA graph
+of that batch (FULL where vLLM captured it: the whole forward one graph, which replays what it read
+at capture, those buffers' heads) and the layers run without a PCP context, as at pcp == 1: each GDN layer updates the
 owned requests' states, each attention layer writes their new K/V into this rank's cache. The heads
 stay as written (vLLM rewrites them before it reads them again: ``OwnedBatch.write_heads``). The
 other ranks' caches get that K/V with the step's output gather (``defer_staged_kv``: the layers keep
@@ -70,12 +70,12 @@ class OwnedBatch:
         batch's size: rows past it are stale in vLLM too, the slot mapping whole), and after the
         forward only pooling and speculative decoding read them, both refused with
         ``decode="spread"`` (prompt logprobs read the host's query starts, which stay the whole
-        batch's). Slots are read by attention layers alone (vLLM 0.20.2's GDN metadata takes block-table
-        rows, not slots), so only ``attention_groups``' slot heads are written; the one whole-batch value
-        read after the forward, those groups' slots where ``defer_staged_kv`` writes the step's new K/V,
-        is taken first (``exchange_slots``). A step's sequence lengths are the host's (``num_computed_tokens`` plus
-        one: without speculative decoding vLLM's device copy is the host's); they are all that a later
-        step of the same batch moves to the device."""
+        batch's). Slots are read by attention layers alone (vLLM 0.20.2's GDN metadata takes
+        block-table rows, not slots), so only ``attention_groups``' slot heads are written; the one
+        whole-batch value read after the forward, those groups' slots where ``defer_staged_kv`` writes
+        the step's new K/V, is taken first (``exchange_slots``). A step's sequence lengths are the
+        host's (``num_computed_tokens`` plus one: without speculative decoding vLLM's device copy is
+        the host's); they are all that a later step of the same batch moves to the device."""
         n, rows = self.num_reqs, self.num_rows
         device = runner.seq_lens.device
         tables = runner.input_batch.block_table.block_tables

@@ -287,11 +287,15 @@ class PCPModelRunner(GPUModelRunner):
     def _attention_layers_by_group(self) -> list[tuple[int, list[Attention]]]:
         """The model's attention layers per KV-cache group (the MTP drafter's left out), once."""
         if not hasattr(self, "_attention_groups"):
-            ours = {id(m) for m in self.model.modules() if isinstance(m, Attention)}
+            ours = {id(m) for m in self._model_attention_layers()}
             groups = [(gid, [layer for layer in self._layers_of_group(gid) if id(layer) in ours])
                       for gid in range(len(self.kv_cache_config.kv_cache_groups))]
             self._attention_groups = [(gid, found) for gid, found in groups if found]
         return self._attention_groups
+
+    def _model_attention_layers(self) -> list[Attention]:
+        """The model's attention layers (the MTP drafter, a model of its own, left out)."""
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def _layers_of_group(self, gid: int) -> list:
         """The layers of KV-cache group ``gid``, as vLLM's forward context holds them."""
@@ -341,7 +345,7 @@ class PCPModelRunner(GPUModelRunner):
         with pcp_model_build(self.vllm_config) as replacements:
             super().load_model(*args, **kwargs)
         if self.decode_owners is not None:
-            self._attach_kv_stage([m for m in self.model.modules() if isinstance(m, Attention)])
+            self._attach_kv_stage(self._model_attention_layers())
         drafter = getattr(getattr(self, "drafter", None), "model", None)
         if drafter is not None:
             adopt_pcp_attention(drafter)
