@@ -45,7 +45,8 @@ class OwnedBatch:
     exchange_slots: dict[int, torch.Tensor] = field(default_factory=dict)
     lens: torch.Tensor | None = None
     max_len: int = 0
-    # on the device, once per batch: (reqs, tokens, query starts, exchange rows clipped at 0, rows valid)
+    # on the device, once per batch: (query starts, the slot rows: owned then exchange rows clipped at 0,
+    # those rows valid)
     _device: tuple | None = field(default=None, repr=False)
     _tensors: StepTensors | None = field(default=None, repr=False)  # ``step_tensors``
 
@@ -75,7 +76,15 @@ class OwnedBatch:
         whole-batch value read after the forward, those groups' slots where ``defer_staged_kv`` writes
         the step's new K/V, is taken first (``exchange_slots``). A step's sequence lengths are the
         host's (``num_computed_tokens`` plus one: without speculative decoding vLLM's device copy is
-        the host's); they are all that a later step of the same batch moves to the device."""
+        the host's).
+
+        The block-table rows come from vLLM's host copy (``BlockTable.np``: what ``commit_block_table``
+        copied to the device for the whole batch this step), each table's columns up to the most
+        blocks an owned request holds (``num_blocks_per_row``: a row's columns past its blocks are not
+        read, by attention past its sequence length nor by the GDN metadata), and reach the device in
+        the step's one copy beside the sequence lengths. One ``torch._foreach_copy_`` call then writes
+        every head (the device still copies head by head: mixed dtypes and strided heads): a step's
+        host work is a few tensor calls whatever the number of KV-cache groups, not two per group."""
         n, rows = self.num_reqs, self.num_rows
         device = runner.seq_lens.device
         tables = runner.input_batch.block_table.block_tables
@@ -86,28 +95,30 @@ class OwnedBatch:
             # the host buffer of vLLM's query starts may still be read by its copy to the device (queued
             # without blocking): the owned starts are written on the device, in stream order after that
             # copy, and handed to the metadata build on the host as a tensor of their own
-            # (``query_starts``)
+            # (``query_starts``). One index for the slots: the owned rows', then the exchange rows'.
             starts = np.minimum(np.arange(rows + 1), n).astype(np.int32)
             self.query_start_cpu = torch.from_numpy(starts)
-            *device_rows, self.lens = to_device_all(
-                device, self.reqs, self.tokens, (starts, torch.int32), self.exchange_rows.clip(min=0),
-                (self.exchange_rows >= 0, torch.bool), (lens, torch.int32))
-            self._device = tuple(device_rows)
-        else:
-            (self.lens,) = to_device_all(device, (lens, torch.int32))
+            self._device = tuple(to_device_all(
+                device, (starts, torch.int32), np.concatenate([self.tokens, self.exchange_rows.clip(min=0)]),
+                (np.concatenate([np.ones(n, dtype=bool), self.exchange_rows >= 0]), torch.bool)))
+        blocks = [table.block_table.np[self.reqs, : max(1, int(table.num_blocks_per_row[self.reqs].max()))]
+                  for table in tables] if n else []
+        self.lens, *blocks_dev = to_device_all(device, (lens, torch.int32), *((b, torch.int32) for b in blocks))
         self.max_len = int(lens.max(initial=0))
-        reqs, tokens, starts_dev, rows_dev, valid = self._device
-        attention_groups = list(attention_groups)
-        self.exchange_slots = {g: kv_exchange_slots(tables[g].slot_mapping.gpu, rows_dev, valid)
-                               for g in attention_groups}
-        runner.query_start_loc.gpu[: rows + 1].copy_(starts_dev)
-        runner.seq_lens[:rows].copy_(self.lens)
+        starts_dev, slot_rows, slot_valid = self._device
+        heads = [runner.query_start_loc.gpu[: rows + 1], runner.seq_lens[:rows]]
+        values = [starts_dev, self.lens]
+        self.exchange_slots = {}
+        for g in attention_groups:  # the whole batch's slots, selected before their head is written
+            slots = kv_exchange_slots(tables[g].slot_mapping.gpu, slot_rows, slot_valid)
+            self.exchange_slots[g] = slots[n:]
+            heads.append(tables[g].slot_mapping.gpu[:n])
+            values.append(slots[:n])
+        for table, b in zip(tables, blocks_dev):
+            heads.append(table.block_table.gpu[:n, : b.shape[1]])
+            values.append(b)
+        torch._foreach_copy_(heads, values)
         host[:rows] = lens
-        if n:
-            for table in tables:  # each selected before its head is written
-                table.block_table.gpu[:n].copy_(table.block_table.gpu.index_select(0, reqs))
-            for g in attention_groups:
-                tables[g].slot_mapping.gpu[:n].copy_(tables[g].slot_mapping.gpu.index_select(0, tokens))
 
     def step_tensors(self, plan: PCPPlan, device: torch.device) -> StepTensors:
         """``plan``'s step tensors (``PCPContext``'s), built at the batch's first step: they depend on the

@@ -291,16 +291,14 @@ def _graphs(runner, mode, kv_write_split: bool = True) -> None:
 
 
 class _BlockTables:
-    """vLLM's ``MultiGroupBlockTable`` as the runner reads it: per KV-cache group (attention, GDN) a
-    block table and a slot mapping, vLLM's ``CpuGpuBuffer`` on the CPU."""
+    """vLLM's ``MultiGroupBlockTable`` as the runner reads it: per KV-cache group (attention, GDN)
+    vLLM's ``BlockTable`` on the CPU (its rows on the host, committed to its device buffer, and its
+    slot mapping)."""
 
     def __init__(self, rows: int = 16, tokens: int = 8192):
-        from vllm.v1.utils import CpuGpuBuffer
+        from vllm.v1.worker.block_table import BlockTable
 
-        cpu = torch.device("cpu")
-        self.block_tables = [SimpleNamespace(
-            block_table=CpuGpuBuffer(rows, 4, dtype=torch.int32, device=cpu, pin_memory=False),
-            slot_mapping=CpuGpuBuffer(tokens, dtype=torch.int64, device=cpu, pin_memory=False)) for _ in range(2)]
+        self.block_tables = [BlockTable(16, rows, 4, tokens, False, torch.device("cpu"), 16, 1) for _ in range(2)]
 
     def __getitem__(self, group: int):
         return self.block_tables[group]
@@ -347,7 +345,9 @@ def _spread_runner(group, rank, seen, calls):
         self.input_ids.gpu[:tokens] = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
         self.positions[:tokens] = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(computed, num_new)]))
         for g, table in enumerate(self.input_batch.block_table.block_tables):
-            table.block_table.gpu[:reqs] = torch.arange(reqs)[:, None] * 10 + torch.arange(4) + 100 * g
+            for i in range(reqs):  # request i holds 1 + i % 4 blocks, 10 i + 100 g onwards
+                table.add_row(list(range(10 * i + 100 * g, 10 * i + 100 * g + 1 + i % 4)), i)
+            table.commit_block_table(reqs)
             table.slot_mapping.gpu[:tokens] = torch.arange(tokens) * 11 + 7 + 1000 * g
         return torch.from_numpy(cu[1:] - 1), None
 
@@ -374,7 +374,7 @@ def _spread_runner(group, rank, seen, calls):
                              "host_starts": self.query_start_loc.cpu[: rows + 1].tolist(),
                              "seq_lens": self.seq_lens[:rows].tolist(),
                              "host_seq_lens": self.optimistic_seq_lens_cpu[:rows].tolist(),
-                             "blocks": [t.block_table.gpu[:rows, 0].tolist() for t in tables],
+                             "blocks": [t.block_table.gpu[:rows].tolist() for t in tables],
                              "slots": [t.slot_mapping.gpu[:rows].tolist() for t in tables]}
         return {}, None
 
@@ -604,7 +604,9 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
                 assert meta["starts"] == meta["host_starts"] == [min(i, n) for i in range(rows + 1)]
                 assert meta["seq_lens"][:n] == seq_lens and meta["host_seq_lens"][:n] == seq_lens
                 assert not any(meta["seq_lens"][n:])
-                assert meta["blocks"] == [(mine * 10 + 100 * g).tolist() + meta["blocks"][g][n:] for g in range(2)]
+                # each owned request's blocks at the head (a row's columns past its blocks are not read)
+                assert [[row[: 1 + i % 4] for i, row in zip(mine, meta["blocks"][g])] for g in range(2)] == [
+                    [list(range(10 * i + 100 * g, 10 * i + 100 * g + 1 + i % 4)) for i in mine] for g in range(2)]
                 assert meta["slots"][0] == (mine * 11 + 7).tolist() + [-1] * (rows - n)
                 assert calls["slot_mappings"] == (rows, n)
                 # the model ran once, on the rank's own rows at the heads, without a PCP context

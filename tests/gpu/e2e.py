@@ -246,10 +246,16 @@ def _answer_prefix_hits(llm, spec):
     of a block (of the engine's block size) decode ``spec["answer_prefix_decode"]`` tokens, so decoding
     fills their first block; then each prompt with the first ``spec["answer_prefix_keep"]`` tokens of
     its answer and 8 more asks again (the hit covers the filled block), and once more after the prefix
-    cache is reset (no hit). The answers, both follow-ups' outputs and their cached token counts."""
+    cache is reset (no hit). The answers, both follow-ups' outputs and their cached token counts.
+
+    The prefix cache is reset first, so that the blocks whose states are hashed on every rank are the
+    ones the answers filled (their owners' states, sent to every rank: the same bits everywhere),
+    not blocks an earlier prompt filled on every rank at once (each rank its own computation: the
+    same bits only where every rank's Triton autotuner picked the same kernel configs)."""
     from vllm import SamplingParams
 
     block = llm.llm_engine.vllm_config.cache_config.block_size
+    llm.reset_prefix_cache()
     prompts = prompt_ids([block - spec["answer_prefix_short"]] * spec["answer_prefix_count"], spec["vocab"],
                          seed=31)
     greedy = dict(temperature=0.0, logprobs=spec.get("logprobs", 5))
