@@ -7,7 +7,11 @@ Runs each step of vLLM's ``chunk_gated_delta_rule`` (and the whole) ``--runs`` t
 inputs, with the memory the caching allocator hands out refilled with garbage between runs, and
 prints how many distinct outputs each gave and, for a nondeterministic one, where they differ.
 ``--sweep-configs`` pins ``chunk_scaled_dot_kkt_fwd`` to each of its autotune configs in turn and
-times it (what keeping only the race-free ones costs).
+times it (what keeping only the race-free ones costs). ``--config-sensitivity`` pins each autotuned
+kernel of the GDN prefill path in turn to each of its configs and runs the whole
+``chunk_gated_delta_rule`` (q/k L2-normalised in the kernel, as vLLM's GDN layer calls it): the
+kernels whose choice of config alone changes the output, which an autotuner picking by speed turns
+into answers that differ between cold starts.
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
 configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.deterministic_gdn.race_free_gdn_kkt`` keeps those.
 """
@@ -122,7 +126,70 @@ def sweep_kkt_configs(args) -> int:
     return 0
 
 
+def _tuners():
+    """(module.kernel name, triton Autotuner) of every autotuned kernel on the GDN prefill path."""
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner
+
+    found, seen = [], set()
+    for name in ("cumsum", "l2norm", "chunk_scaled_dot_kkt", "solve_tril", "wy_fast", "chunk_delta_h", "chunk_o"):
+        mod = importlib.import_module(f"vllm.model_executor.layers.fla.ops.{name}")
+        for attr, obj in sorted(vars(mod).items()):
+            tuner = obj if isinstance(obj, Autotuner) else getattr(obj, "fn", None)  # under @heuristics
+            if isinstance(tuner, Autotuner) and id(tuner) not in seen:
+                seen.add(id(tuner))
+                found.append((f"{name}.{attr}", tuner))
+    return found
+
+
+def config_sensitivity(args) -> int:
+    """Each autotuned kernel pinned to each of its configs in turn (the others as autotuned): how many
+    distinct outputs of the whole chunk_gated_delta_rule its configs give, and how far apart."""
+    from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
+
+    hk, hv, d = SHAPES[args.shape]
+    sensitive = []
+    for T in args.lengths:
+        x = _inputs(T, hk, hv, d)
+        meta = dict(cu_seqlens=x["cu_seqlens"], chunk_indices=x["chunk_indices"], chunk_offsets=x["chunk_offsets"])
+
+        def run():
+            o, h = chunk_gated_delta_rule(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"],
+                                          initial_state=x["h0"].clone(), output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True, **meta)
+            return torch.cat([o.float().flatten(), h.float().flatten()])
+
+        base = run().clone()
+        for name, tuner in _tuners():
+            configs, cache = list(tuner.configs), dict(tuner.cache)
+            outs, repeat_fail, failed = [], 0, 0
+            try:
+                for cfg in configs:
+                    tuner.configs, tuner.cache = [cfg], {}
+                    try:
+                        a, b = run().clone(), run().clone()
+                    except Exception:  # a config the shape cannot take (resources)
+                        failed += 1
+                        continue
+                    repeat_fail += not torch.equal(a, b)
+                    if not any(torch.equal(a, u) for u in outs):
+                        outs.append(a)
+            finally:
+                tuner.configs, tuner.cache = configs, cache
+            spread = max(((u - base).abs().max().item() for u in outs), default=0.0)
+            line = (f"{args.shape} T={T:6d} {name:55s}: {len(configs)} configs, {len(outs)} distinct outputs, "
+                    f"max |diff| vs autotuned {spread:.3g}, not repeatable under {repeat_fail}, failed {failed}")
+            print(line, flush=True)
+            if len(outs) > 1:
+                sensitive.append(name)
+    print(f"kernels whose config changes the output: {sorted(set(sensitive))}", flush=True)
+    return 0
+
+
 def main(args) -> int:
+    if args.config_sensitivity:
+        return config_sensitivity(args)
     if args.sweep_configs:
         return sweep_kkt_configs(args)
     hk, hv, d = SHAPES[args.shape]
@@ -144,4 +211,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--sweep-configs", action="store_true",
                         help="chunk_scaled_dot_kkt_fwd under each autotune config (longest length)")
+    parser.add_argument("--config-sensitivity", action="store_true",
+                        help="which autotuned GDN prefill kernels change the output with their config")
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
