@@ -27,6 +27,7 @@ plugin's runner steps, host busy, no profiler: ``host_phases``). Prints a table,
 
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread            # one GPU, ~8 min
     python benchmarks/bench_decode_spread.py --out /tmp/decode_spread --report-only
+    python benchmarks/bench_decode_spread.py --out /tmp/ds_24 --layers 24 --configs pcp1 pcp2_spread  # more layers
     python benchmarks/bench_decode_spread.py --out /tmp/ds_long --shared-prefix --contexts 4096 32768 131072 \
         --batches 1 8 64   # long contexts: one shared prompt per context from the prefix cache
     python benchmarks/bench_decode_spread.py --out /tmp/ds_profile --configs pcp2_spread pcp1_piecewise \
@@ -53,8 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchm
 from benchmarks import bench_ttft, predict_ttft, step_traffic  # noqa: E402
 from benchmarks.plot import log2_axes, save_figure  # noqa: E402
 
-LAYERS = 8
-ATTENTION_LAYERS = LAYERS // 4
+LAYERS = 8  # the run's (``--layers``; a report takes its runs')
 SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated: a quick prefill here
 # the control: replicated decode at pcp > 1 is pcp=1's step plus one gather of the sampled rows, so its
 # turns against pcp=1's show what taking turns on the shared GPU adds to a step of more than one rank
@@ -132,7 +132,7 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                             max_model_len=longest + 2048, enable_prefix_caching=shared_prefix, **engine_args(config),
                             **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
-    out: dict = {"config": config, "shared_prefix": shared_prefix}
+    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": LAYERS}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
         started: set[str] = set()
@@ -266,9 +266,10 @@ def graph_rows(rows: int) -> int:
     return next((s for s in sizes if s >= rows), rows)
 
 
-def collectives_ms(n: int, batch: int, attention_layers: int = ATTENTION_LAYERS) -> float:
+def collectives_ms(n: int, batch: int, attention_layers: int | None = None) -> float:
     """A spread decode step's collectives at pcp=n (``step_traffic`` of its plan, priced as
-    ``predict_ttft`` prices a split step's)."""
+    ``predict_ttft`` prices a split step's); by default at the run's attention layers."""
+    attention_layers = attention_layers or LAYERS // 4
     import numpy as np
 
     from qwen36_pcp.config import PCPConfig
@@ -290,8 +291,9 @@ KV_BYTES_PER_TOKEN_LAYER = 2 * 256 * 2 * 2
 HBM_BYTES_PER_S = 0.8 * 4.8e12  # H200, 80% of peak
 
 
-def kv_read_ms(rows: int, context: int, attention_layers: int = ATTENTION_LAYERS) -> float:
+def kv_read_ms(rows: int, context: int, attention_layers: int | None = None) -> float:
     """The attention layers' K/V reads of ``rows`` decode rows of ``context`` tokens, at HBM speed."""
+    attention_layers = attention_layers or LAYERS // 4
     return 1e3 * rows * context * KV_BYTES_PER_TOKEN_LAYER * attention_layers / HBM_BYTES_PER_S
 
 
@@ -405,8 +407,13 @@ def report(out: str) -> dict:
     ``replicated`` fitted to pcp=1 (x = B), and per N a spread rank's ``overhead`` (x = B) over pcp=1's
     step of its ceil(B/N) requests; a spread step at a context not run is predicted as that pcp=1 step
     (the fit, K/V reads included) plus the overhead plus the collective."""
+    global LAYERS
     data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
             if (Path(out) / f"{c}.json").exists()}
+    layers = {d.get("layers", 8) for d in data.values()}
+    if len(layers) > 1:
+        raise SystemExit(f"runs of different layer counts in {out}: {sorted(layers)}")
+    LAYERS = layers.pop() if layers else LAYERS
     base, piecewise = data.get("pcp1", {}), data.get("pcp1_piecewise", {})
     spread = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_spread")}
     control = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_replicated")}
@@ -591,6 +598,7 @@ def child(config: str, model: str, out: str, sweep: dict, profile: bool = False,
 
 
 def main():
+    global LAYERS
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/decode_spread")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS))
@@ -600,10 +608,14 @@ def main():
                         help=f"each context's requests share all but their last {TAIL} prompt tokens (prefix "
                              "caching on; see measure)")
     parser.add_argument("--batches", type=int, nargs="+", help="only these batch sizes of the sweep")
+    parser.add_argument("--layers", type=int, default=LAYERS, choices=range(4, 41, 4),
+                        help="the model's first layers (whole periods of 3 GDN + 1 attention); at pcp=N every "
+                             "rank's weights share the one GPU (about 1.75 GB per layer and rank)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    LAYERS = args.layers
     Path(args.out).mkdir(parents=True, exist_ok=True)
     sweep = {c: tuple(b for b in SWEEP[c] if not args.batches or b in args.batches) for c in args.contexts}
     if args.profile and PROFILE_POINT[1] not in sweep.get(PROFILE_POINT[0], ()):
@@ -614,7 +626,7 @@ def main():
     if not args.report_only:
         model = bench_ttft.checkpoint(args.out, layers=LAYERS)
         for config in args.configs:
-            argv = [__file__, "--out", args.out, "--contexts", *map(str, args.contexts),
+            argv = [__file__, "--out", args.out, "--layers", str(LAYERS), "--contexts", *map(str, args.contexts),
                     *(["--batches", *map(str, args.batches)] if args.batches else []),
                     *(["--profile"] if args.profile else []), *(["--shared-prefix"] if args.shared_prefix else []),
                     "--child", config, model]

@@ -142,3 +142,18 @@ def test_the_replicated_control_is_reported_apart_from_spread(tmp_path):
     head = next(i for i, line in enumerate(lines) if line.startswith("control:"))
     # beside spread at the same N: both take turns alike; (x) = the control's turn over spread's
     assert lines[head + 2].split() == ["4096", "1", "4.00", "2.50", "6.00", "3.50", "7.50", "(0.80x)"]
+
+
+def test_the_report_prices_its_runs_layers_and_refuses_a_mix(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "LAYERS", 8)
+    for config in ("pcp1", "pcp2_spread"):
+        (tmp_path / f"{config}.json").write_text(json.dumps({"config": config, "layers": 24,
+                                                            "4096/8": {"turn_ms": [4.0, 4.0]}}))
+    row = bench.report(str(tmp_path))["rows"][0]
+    assert "first 24 layers" in (tmp_path / "table.txt").read_text().splitlines()[0]
+    # the collective carries the K/V of 6 attention layers, not 2
+    assert row["spread2_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 8, attention_layers=6))
+    assert bench.collectives_ms(2, 8, attention_layers=6) > bench.collectives_ms(2, 8, attention_layers=2)
+    (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "layers": 8, "4096/8": {"turn_ms": [4.0]}}))
+    with pytest.raises(SystemExit, match="different layer counts"):
+        bench.report(str(tmp_path))
