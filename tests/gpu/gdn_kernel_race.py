@@ -16,6 +16,8 @@ On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on,
 configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.deterministic_gdn.race_free_gdn_kkt`` keeps those.
 """
 
+import contextlib
+
 import torch
 
 SHAPES = {"tiny": (4, 8, 128), "35b": (16, 32, 128)}  # key heads, value heads, head dim
@@ -93,6 +95,21 @@ def _distinct(call, runs: int) -> list:
     return distinct
 
 
+@contextlib.contextmanager
+def _pinned(tuner):
+    """(the autotuner's configs, pin): ``pin(cfg)`` makes ``cfg`` its only config (its choice
+    forgotten); its configs and choices come back after."""
+    configs, cache = list(tuner.configs), dict(tuner.cache)
+
+    def pin(cfg):
+        tuner.configs, tuner.cache = [cfg], {}
+
+    try:
+        yield configs, pin
+    finally:
+        tuner.configs, tuner.cache = configs, cache
+
+
 def sweep_kkt_configs(args) -> int:
     """chunk_scaled_dot_kkt_fwd pinned to each of its autotune configs in turn; then fla's own."""
     from triton.testing import do_bench
@@ -105,16 +122,13 @@ def sweep_kkt_configs(args) -> int:
     step = _steps(x)["chunk_scaled_dot_kkt_fwd"]
     step()
     print(f"autotuner's choice: {[str(c) for c in tuner.cache.values()]}", flush=True)
-    configs = list(tuner.configs)
-    try:
+    with _pinned(tuner) as (configs, pin):
         for cfg in configs:
-            tuner.configs, tuner.cache = [cfg], {}
+            pin(cfg)
             n = len(_distinct(step, args.runs))
             ms = do_bench(step)
             print(f"{args.shape} T={T} {cfg}: {n} distinct outputs in {args.runs} runs, {ms:.4f} ms",
                   flush=True)
-    finally:
-        tuner.configs, tuner.cache = configs, {}
     try:
         from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd as fla_kkt
     except ImportError as e:
@@ -162,11 +176,10 @@ def config_sensitivity(args) -> int:
 
         base = run().clone()
         for name, tuner in _tuners():
-            configs, cache = list(tuner.configs), dict(tuner.cache)
             outs, repeat_fail, failed = [], 0, 0
-            try:
+            with _pinned(tuner) as (configs, pin):
                 for cfg in configs:
-                    tuner.configs, tuner.cache = [cfg], {}
+                    pin(cfg)
                     try:
                         a, b = run().clone(), run().clone()
                     except Exception:  # a config the shape cannot take (resources)
@@ -175,8 +188,6 @@ def config_sensitivity(args) -> int:
                     repeat_fail += not torch.equal(a, b)
                     if not any(torch.equal(a, u) for u in outs):
                         outs.append(a)
-            finally:
-                tuner.configs, tuner.cache = configs, cache
             spread = max(((u - base).abs().max().item() for u in outs), default=0.0)
             line = (f"{args.shape} T={T:6d} {name:55s}: {len(configs)} configs, {len(outs)} distinct outputs, "
                     f"max |diff| vs autotuned {spread:.3g}, not repeatable under {repeat_fail}, failed {failed}")
