@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchm
 from benchmarks import bench_ttft, predict_ttft, step_traffic  # noqa: E402
 from benchmarks.plot import log2_axes, save_figure  # noqa: E402
 
-LAYERS = 8  # the run's (``--layers``; a report takes its runs')
+DEFAULT_LAYERS = 8  # --layers
 SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated: a quick prefill here
 # the control: replicated decode at pcp > 1 is pcp=1's step plus one gather of the sampled rows, so its
 # turns against pcp=1's show what taking turns on the shared GPU adds to a step of more than one rank
@@ -109,7 +109,7 @@ def run_until_first_tokens(engine, started: set[str]) -> dict[str, int] | None:
 
 
 def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | None = None,
-            shared_prefix: bool = False) -> None:
+            shared_prefix: bool = False, layers: int = DEFAULT_LAYERS) -> None:
     """{"L/B": {"turn_ms": [per rank], "wall_ms": ms}} into ``path`` after each point; with
     ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too. With
     ``shared_prefix`` (prefix caching on) each context's shared prompt is prefilled once, alone, and
@@ -132,7 +132,7 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                             max_model_len=longest + 2048, enable_prefix_caching=shared_prefix, **engine_args(config),
                             **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
-    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": LAYERS}
+    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": layers}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
         started: set[str] = set()
@@ -266,10 +266,9 @@ def graph_rows(rows: int) -> int:
     return next((s for s in sizes if s >= rows), rows)
 
 
-def collectives_ms(n: int, batch: int, attention_layers: int | None = None) -> float:
+def collectives_ms(n: int, batch: int, attention_layers: int) -> float:
     """A spread decode step's collectives at pcp=n (``step_traffic`` of its plan, priced as
-    ``predict_ttft`` prices a split step's); by default at the run's attention layers."""
-    attention_layers = attention_layers or LAYERS // 4
+    ``predict_ttft`` prices a split step's) in a model of ``attention_layers``."""
     import numpy as np
 
     from qwen36_pcp.config import PCPConfig
@@ -291,20 +290,19 @@ KV_BYTES_PER_TOKEN_LAYER = 2 * 256 * 2 * 2
 HBM_BYTES_PER_S = 0.8 * 4.8e12  # H200, 80% of peak
 
 
-def kv_read_ms(rows: int, context: int, attention_layers: int | None = None) -> float:
+def kv_read_ms(rows: int, context: int, attention_layers: int) -> float:
     """The attention layers' K/V reads of ``rows`` decode rows of ``context`` tokens, at HBM speed."""
-    attention_layers = attention_layers or LAYERS // 4
     return 1e3 * rows * context * KV_BYTES_PER_TOKEN_LAYER * attention_layers / HBM_BYTES_PER_S
 
 
-def fit_line(pts: list[tuple[int, int, float]], kv_reads: bool) -> dict:
-    """t = a + b x (+ the K/V reads of x rows of context L at HBM speed, too small to fit at these
-    contexts) by least squares over the points (x, L, t). When the worst point is more than 50% off,
+def fit_line(pts: list[tuple[int, int, float]], attention_layers: int | None) -> dict:
+    """t = a + b x (+ with ``attention_layers``, their K/V reads of x rows of context L at HBM speed, too
+    small to fit at these contexts) by least squares over the points (x, L, t). When the worst point is more than 50% off,
     the one point whose leaving out fits the others best is left out (``dropped``)."""
     import numpy as np
 
     x, ctx, t = (np.array(v, dtype=float) for v in zip(*pts))
-    y = t - np.array([kv_read_ms(int(a), int(c)) if kv_reads else 0.0 for a, c in zip(x, ctx)])
+    y = t - np.array([kv_read_ms(int(a), int(c), attention_layers) if attention_layers else 0.0 for a, c in zip(x, ctx)])
     design = np.stack([np.ones_like(x), x], axis=1)
 
     def fit(keep):
@@ -317,12 +315,13 @@ def fit_line(pts: list[tuple[int, int, float]], kv_reads: bool) -> dict:
         fits_without = [fit(np.arange(len(x)) != i) for i in range(len(x))]
         i = min(range(len(x)), key=lambda i: fits_without[i][1])
         dropped, (coef, worst) = pts[i], fits_without[i]
-    return {"coef": [float(c) for c in coef], "worst": worst, "dropped": dropped, "kv_reads": kv_reads}
+    return {"coef": [float(c) for c in coef], "worst": worst, "dropped": dropped, "attention_layers": attention_layers}
 
 
 def step_model(fit: dict, rows: int, context: int) -> float:
     a, b = fit["coef"]
-    return a + b * rows + (kv_read_ms(rows, context) if fit["kv_reads"] else 0.0)
+    layers = fit["attention_layers"]
+    return a + b * rows + (kv_read_ms(rows, context, layers) if layers else 0.0)
 
 
 def hidden_host_ms(point: dict, collective_ms: float = 0.0) -> float:
@@ -407,13 +406,13 @@ def report(out: str) -> dict:
     ``replicated`` fitted to pcp=1 (x = B), and per N a spread rank's ``overhead`` (x = B) over pcp=1's
     step of its ceil(B/N) requests; a spread step at a context not run is predicted as that pcp=1 step
     (the fit, K/V reads included) plus the overhead plus the collective."""
-    global LAYERS
     data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
             if (Path(out) / f"{c}.json").exists()}
     layers = {d.get("layers", 8) for d in data.values()}
     if len(layers) > 1:
         raise SystemExit(f"runs of different layer counts in {out}: {sorted(layers)}")
-    LAYERS = layers.pop() if layers else LAYERS
+    layers = layers.pop() if layers else DEFAULT_LAYERS
+    attention = layers // 4
     base, piecewise = data.get("pcp1", {}), data.get("pcp1_piecewise", {})
     spread = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_spread")}
     control = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_replicated")}
@@ -433,15 +432,15 @@ def report(out: str) -> dict:
                 turns = d[key]["turn_ms"]
                 own = d[key].get("own_ms", turns)  # per rank: turn less copies (a run without them: turn)
                 row[f"spread{n}_turn_ms"] = max(turns)
-                row[f"spread{n}_ms"] = max(own) + collectives_ms(n, batch)
+                row[f"spread{n}_ms"] = max(own) + collectives_ms(n, batch, attention)
                 if "host_ms" in d[key]:
-                    row[f"spread{n}_hidden_ms"] = hidden_host_ms(d[key], collectives_ms(n, batch))
+                    row[f"spread{n}_hidden_ms"] = hidden_host_ms(d[key], collectives_ms(n, batch, attention))
         for n, d in control.items():
             if key in d:
                 row[f"control{n}_turn_ms"] = max(d[key]["turn_ms"])
         rows.append(row)
     pts = [(r["batch"], r["context"], r["replicated_ms"]) for r in rows if "replicated_ms" in r]
-    replicated_fit = fit_line(pts, kv_reads=True) if len(pts) >= 4 else None
+    replicated_fit = fit_line(pts, attention) if len(pts) >= 4 else None
 
     def replicated(batch, context):
         """pcp=1's step of ``batch`` requests: measured, unless absent or the fit's outlier."""
@@ -452,11 +451,11 @@ def report(out: str) -> dict:
 
     overhead_fits = {}
     for n in ns:
-        pts = [(r["batch"], r["context"], r[f"spread{n}_ms"] - collectives_ms(n, r["batch"])
+        pts = [(r["batch"], r["context"], r[f"spread{n}_ms"] - collectives_ms(n, r["batch"], attention)
                 - replicated(math.ceil(r["batch"] / n), r["context"]))
                for r in rows if f"spread{n}_ms" in r and replicated(math.ceil(r["batch"] / n), r["context"])]
         if len(pts) >= 4:
-            overhead_fits[n] = fit_line(pts, kv_reads=False)
+            overhead_fits[n] = fit_line(pts, None)
 
     def ms(r, key, width):
         return f"{r[key]:{width}.2f}" if key in r else f"{'-':>{width}}"
@@ -472,7 +471,7 @@ def report(out: str) -> dict:
                 "its turn time + the collective on NVLink (modelled): an upper bound, the turn holding the "
                 "collective's copies through host memory (this run did not time them)")
     shared = any(d.get("shared_prefix") for d in data.values())
-    lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {LAYERS} layers, dummy weights, "
+    lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {layers} layers, dummy weights, "
              "compiled with CUDA graphs, one H200, ranks taking turns"
              + (f"; prefix caching on, each context's requests one shared prompt but their last {TAIL} tokens "
                 "(--shared-prefix)" if shared else ""),
@@ -503,12 +502,12 @@ def report(out: str) -> dict:
     if replicated_fit and overhead_fits:
         lines += ["", "step-time model, fitted to the points above: "
                   + "; ".join(f"{k}: {f['coef'][0]:.2f} ms + {f['coef'][1]:.3f} ms x B"
-                              + (" + K/V reads (80% of HBM peak)" if f["kv_reads"] else "")
+                              + (" + K/V reads (80% of HBM peak)" if f["attention_layers"] else "")
                               + f", worst fit error {100 * f['worst']:.0f}%"
                               + (f", left out (B, L, ms) ({f['dropped'][0]}, {f['dropped'][1]}, "
                                  f"{f['dropped'][2]:.2f})" if f["dropped"] else "")
                               for k, f in fits.items()),
-                  f"predicted per rank ({LAYERS} layers, ms): replicated = pcp=1's step of B requests; spreadN = "
+                  f"predicted per rank ({layers} layers, ms): replicated = pcp=1's step of B requests; spreadN = "
                   "pcp=1's step of ceil(B/N) requests + overheadN(B) + the collective on NVLink"
                   + ("" if staged else " (an upper bound, as above)") + "; (x) = replicated / spreadN",
                   f"{'context':>8} {'B':>3} {'replicated':>11} " + " ".join(f"{'spread' + str(n):>16}"
@@ -519,7 +518,7 @@ def report(out: str) -> dict:
                 cells = []
                 for n, overhead in overhead_fits.items():
                     spr = (step_model(replicated_fit, math.ceil(batch / n), context)
-                           + step_model(overhead, batch, context) + collectives_ms(n, batch))
+                           + step_model(overhead, batch, context) + collectives_ms(n, batch, attention))
                     cells.append(f"{spr:8.2f} ({rep / spr:4.2f}x)")
                 lines.append(f"{context:>8} {batch:>3} {rep:11.2f} " + " ".join(cells))
     profiles = {c: d["profile"] for c, d in data.items() if d.get("profile")}
@@ -572,13 +571,14 @@ def report(out: str) -> dict:
             ax.annotate("outlier (left out of the fit)", (dropped[0], dropped[2]), textcoords="offset points",
                         xytext=(8, -4), fontsize=8)
         log2_axes(ax, "requests decoding (B)", "decode step per rank (ms)",
-                  f"Decode step per rank, {LAYERS} layers (measured" + (")" if staged else "; spread: upper bound)"))
+                  f"Decode step per rank, {layers} layers (measured" + (")" if staged else "; spread: upper bound)"))
 
     save_figure(str(Path(out) / "decode_spread.png"), draw, fontsize=6.5, loc="upper left", ncol=2)
     return {"rows": rows, "fits": fits}
 
 
-def child(config: str, model: str, out: str, sweep: dict, profile: bool = False, shared_prefix: bool = False) -> None:
+def child(config: str, model: str, out: str, sweep: dict, profile: bool = False, shared_prefix: bool = False,
+          layers: int = DEFAULT_LAYERS) -> None:
     from harness.shared_gpu import STEPS_ENV
 
     from harness.shared_gpu import read_step_kinds
@@ -589,7 +589,7 @@ def child(config: str, model: str, out: str, sweep: dict, profile: bool = False,
     os.environ[STEPS_ENV] = str(steps)  # each rank records the kind of each step
     path = str(Path(out) / f"{config}.json")
     trace_dir = str(Path(out) / f"{config}_traces") if profile else None
-    measure(model, config, sweep, path, trace_dir, shared_prefix)
+    measure(model, config, sweep, path, trace_dir, shared_prefix, layers)
     data = json.loads(Path(path).read_text())
     if trace_dir:
         data["profile"] = summarize_profile(trace_dir)
@@ -598,7 +598,6 @@ def child(config: str, model: str, out: str, sweep: dict, profile: bool = False,
 
 
 def main():
-    global LAYERS
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="/tmp/qwen36_pcp_bench/decode_spread")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS))
@@ -608,25 +607,24 @@ def main():
                         help=f"each context's requests share all but their last {TAIL} prompt tokens (prefix "
                              "caching on; see measure)")
     parser.add_argument("--batches", type=int, nargs="+", help="only these batch sizes of the sweep")
-    parser.add_argument("--layers", type=int, default=LAYERS, choices=range(4, 41, 4),
+    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, choices=range(4, 41, 4),
                         help="the model's first layers (whole periods of 3 GDN + 1 attention); at pcp=N every "
                              "rank's weights share the one GPU (about 1.75 GB per layer and rank)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    LAYERS = args.layers
     Path(args.out).mkdir(parents=True, exist_ok=True)
     sweep = {c: tuple(b for b in SWEEP[c] if not args.batches or b in args.batches) for c in args.contexts}
     if args.profile and PROFILE_POINT[1] not in sweep.get(PROFILE_POINT[0], ()):
         parser.error(f"--profile profiles the point L={PROFILE_POINT[0]}, B={PROFILE_POINT[1]}: keep that context")
     if args.child:
-        child(*args.child, args.out, sweep, args.profile, args.shared_prefix)
+        child(*args.child, args.out, sweep, args.profile, args.shared_prefix, args.layers)
         return
     if not args.report_only:
-        model = bench_ttft.checkpoint(args.out, layers=LAYERS)
+        model = bench_ttft.checkpoint(args.out, layers=args.layers)
         for config in args.configs:
-            argv = [__file__, "--out", args.out, "--layers", str(LAYERS), "--contexts", *map(str, args.contexts),
+            argv = [__file__, "--out", args.out, "--layers", str(args.layers), "--contexts", *map(str, args.contexts),
                     *(["--batches", *map(str, args.batches)] if args.batches else []),
                     *(["--profile"] if args.profile else []), *(["--shared-prefix"] if args.shared_prefix else []),
                     "--child", config, model]

@@ -11,7 +11,7 @@ from benchmarks import bench_decode_spread as bench
 
 
 def _step(a: float, b: float, rows: int, context: int) -> float:
-    return a + b * rows + bench.kv_read_ms(rows, context)
+    return a + b * rows + bench.kv_read_ms(rows, context, 2)
 
 
 def test_graph_rows_are_vllms_capture_sizes():
@@ -22,11 +22,11 @@ def test_graph_rows_are_vllms_capture_sizes():
 def test_fit_recovers_the_step_time_and_leaves_one_outlier_out():
     pts = [(b, c, _step(3.5, 0.05, b, c)) for c in (4096, 16384) for b in (1, 2, 4, 8, 16, 32, 64)]
     pts[4] = (16, 4096, 18.6)  # far off, and pulling the line off the first point most
-    fit = bench.fit_line(pts, kv_reads=True)
+    fit = bench.fit_line(pts, 2)
     assert fit["coef"] == pytest.approx([3.5, 0.05], rel=1e-6)
     assert fit["dropped"] == (16, 4096, 18.6)
     assert bench.step_model(fit, 8, 131072) == pytest.approx(_step(3.5, 0.05, 8, 131072))
-    flat = bench.fit_line([(b, 4096, 0.8 + 0.01 * b) for b in (1, 2, 4, 8)], kv_reads=False)
+    flat = bench.fit_line([(b, 4096, 0.8 + 0.01 * b) for b in (1, 2, 4, 8)], None)
     assert flat["coef"] == pytest.approx([0.8, 0.01]) and flat["dropped"] is None
     assert bench.step_model(flat, 8, 131072) == pytest.approx(0.88)
 
@@ -43,7 +43,7 @@ def test_spread_step_is_the_turn_less_its_host_memory_copies(tmp_path):
     row = out["rows"][1]
     # the slowest rank on a GPU of its own is rank 1 (4.0 ms against rank 0's 2.5 ms)
     assert row["spread2_turn_ms"] == 12.0
-    assert row["spread2_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 2))
+    assert row["spread2_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 2, 2))
     # overhead over pcp=1's step of the rank's own ceil(B/2) requests: 4.0 - (3.0 + 0.1 * ceil(B/2))
     assert bench.step_model(out["fits"]["overhead2"], 2, 4096) == pytest.approx(0.9, abs=0.06)
     text = (tmp_path / "table.txt").read_text()
@@ -54,7 +54,7 @@ def test_a_run_without_timed_copies_reports_an_upper_bound(tmp_path):
     _write(tmp_path, "pcp2_spread", {"4096/1": {"turn_ms": [12.0, 6.0]}})
     rows = bench.report(str(tmp_path))["rows"]
     assert rows == [{"context": 4096, "batch": 1, "spread2_turn_ms": 12.0,
-                     "spread2_ms": pytest.approx(12.0 + bench.collectives_ms(2, 1))}]
+                     "spread2_ms": pytest.approx(12.0 + bench.collectives_ms(2, 1, 2))}]
     assert "upper bound" in (tmp_path / "table.txt").read_text()
 
 
@@ -83,7 +83,7 @@ def test_hidden_host_bound_is_the_larger_of_host_and_gpu_work_left_per_rank(tmp_
                                                 "own_ms": [5.0, 4.5], "host_ms": [1.0, 3.5], "drain_ms": [4.0, 1.0]}})
     row = bench.report(str(tmp_path))["rows"][0]
     assert row["replicated_hidden_ms"] == 3.0
-    assert row["spread2_hidden_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 1))
+    assert row["spread2_hidden_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 1, 2))
     assert "lower bounds with the host's work hidden" in (tmp_path / "table.txt").read_text()
     # the collective is GPU work: inside the max, not added to the host's side
     assert bench.hidden_host_ms({"host_ms": [3.0], "drain_ms": [1.0]}, 0.5) == 3.0
@@ -93,7 +93,7 @@ def test_report_reads_each_ranks_own_step(tmp_path):
     _write(tmp_path, "pcp2_spread", {"4096/1": {"turn_ms": [12.0, 6.0], "staging_ms": [9.0, 1.0],
                                                 "own_ms": [2.5, 4.5]}})
     row = bench.report(str(tmp_path))["rows"][0]
-    assert row["spread2_ms"] == pytest.approx(4.5 + bench.collectives_ms(2, 1))
+    assert row["spread2_ms"] == pytest.approx(4.5 + bench.collectives_ms(2, 1, 2))
 
 
 def test_report_gives_the_host_phases_largest_of_the_ranks(tmp_path):
@@ -144,16 +144,15 @@ def test_the_replicated_control_is_reported_apart_from_spread(tmp_path):
     assert lines[head + 2].split() == ["4096", "1", "4.00", "2.50", "6.00", "3.50", "7.50", "(0.80x)"]
 
 
-def test_the_report_prices_its_runs_layers_and_refuses_a_mix(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "LAYERS", 8)
+def test_the_report_prices_its_runs_layers_and_refuses_a_mix(tmp_path):
     for config in ("pcp1", "pcp2_spread"):
         (tmp_path / f"{config}.json").write_text(json.dumps({"config": config, "layers": 24,
                                                             "4096/8": {"turn_ms": [4.0, 4.0]}}))
     row = bench.report(str(tmp_path))["rows"][0]
     assert "first 24 layers" in (tmp_path / "table.txt").read_text().splitlines()[0]
     # the collective carries the K/V of 6 attention layers, not 2
-    assert row["spread2_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 8, attention_layers=6))
-    assert bench.collectives_ms(2, 8, attention_layers=6) > bench.collectives_ms(2, 8, attention_layers=2)
+    assert row["spread2_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 8, 6))
+    assert bench.collectives_ms(2, 8, 6) > bench.collectives_ms(2, 8, 2)
     (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "layers": 8, "4096/8": {"turn_ms": [4.0]}}))
     with pytest.raises(SystemExit, match="different layer counts"):
         bench.report(str(tmp_path))
