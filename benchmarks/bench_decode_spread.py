@@ -2,11 +2,12 @@
 decoding its own share (``decode="spread"``: its own requests as vLLM's batch, through vLLM's CUDA graph
 of that batch).
 
-Qwen3.6-35B-A3B shape with its first 8 layers (2 x [3 GDN + 1 attention]: four ranks' weights fit one
-GPU), dummy weights, vLLM's defaults (torch.compile, CUDA graphs). Every rank of an engine runs on one
-H200 and the ranks take turns (``harness/shared_gpu.py``): a rank holds the GPU while it runs and gives
-it up (its kernels finished) while it waits in a collective, so the time it holds the GPU in a step,
-its **turn time**, is its own step on a GPU of its own, host included, collectives left out.
+Qwen3.6-35B-A3B shape with its first ``--layers`` layers (default 8, 2 x [3 GDN + 1 attention]: four
+ranks' weights fit one GPU; 24 fit two ranks on an H200), dummy weights, vLLM's defaults (torch.compile,
+CUDA graphs). Every rank of an engine runs on one H200 and the ranks take turns
+(``harness/shared_gpu.py``): a rank holds the GPU while it runs and gives it up (its kernels finished)
+while it waits in a collective, so the time it holds the GPU in a step, its **turn time**, is its own
+step on a GPU of its own, host included, collectives left out.
 
 Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: the whole batch),
 ``pcp2_spread``, ``pcp4_spread``, and the control ``pcp2_replicated`` / ``pcp4_replicated``: pcp=1's
@@ -408,7 +409,7 @@ def report(out: str) -> dict:
     (the fit, K/V reads included) plus the overhead plus the collective."""
     data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
             if (Path(out) / f"{c}.json").exists()}
-    layers = {d.get("layers", 8) for d in data.values()}
+    layers = {d.get("layers", DEFAULT_LAYERS) for d in data.values()}  # runs before --layers had 8
     if len(layers) > 1:
         raise SystemExit(f"runs of different layer counts in {out}: {sorted(layers)}")
     layers = layers.pop() if layers else DEFAULT_LAYERS
