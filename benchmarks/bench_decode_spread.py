@@ -297,13 +297,15 @@ def kv_read_ms(rows: int, context: int, attention_layers: int) -> float:
 
 
 def fit_line(pts: list[tuple[int, int, float]], attention_layers: int | None) -> dict:
-    """t = a + b x (+ with ``attention_layers``, their K/V reads of x rows of context L at HBM speed, too
-    small to fit at these contexts) by least squares over the points (x, L, t). When the worst point is more than 50% off,
-    the one point whose leaving out fits the others best is left out (``dropped``)."""
+    """t = a + b x (+ with ``attention_layers``, their K/V reads of x rows of context L at HBM speed,
+    too small to fit at these contexts) by least squares over the points (x, L, t). When the worst point
+    is more than 50% off, the one point whose leaving out fits the others best is left out
+    (``dropped``)."""
     import numpy as np
 
     x, ctx, t = (np.array(v, dtype=float) for v in zip(*pts))
-    y = t - np.array([kv_read_ms(int(a), int(c), attention_layers) if attention_layers else 0.0 for a, c in zip(x, ctx)])
+    y = t - np.array([kv_read_ms(int(a), int(c), attention_layers) if attention_layers else 0.0
+                      for a, c in zip(x, ctx)])
     design = np.stack([np.ones_like(x), x], axis=1)
 
     def fit(keep):
@@ -316,7 +318,8 @@ def fit_line(pts: list[tuple[int, int, float]], attention_layers: int | None) ->
         fits_without = [fit(np.arange(len(x)) != i) for i in range(len(x))]
         i = min(range(len(x)), key=lambda i: fits_without[i][1])
         dropped, (coef, worst) = pts[i], fits_without[i]
-    return {"coef": [float(c) for c in coef], "worst": worst, "dropped": dropped, "attention_layers": attention_layers}
+    return {"coef": [float(c) for c in coef], "worst": worst, "dropped": dropped,
+            "attention_layers": attention_layers}
 
 
 def step_model(fit: dict, rows: int, context: int) -> float:

@@ -83,6 +83,11 @@ def _describe(ref: torch.Tensor, other: torch.Tensor) -> str:
             f"token index mod 64 of differing: {sorted(set((idx[:, 1] % 64).tolist()))[:16]}")
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a NaN equal to itself, -0.0 not to 0.0), whatever the dtype."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def _distinct(call, runs: int) -> list:
     fills = [float("nan"), 1e30, -1e30, 0.0, 123.0]
     distinct = []
@@ -90,7 +95,7 @@ def _distinct(call, runs: int) -> list:
         _garbage(fills[r % len(fills)])
         out = call()
         out = (out[0] if isinstance(out, tuple) else out).clone()
-        if not any(torch.equal(out.view(torch.uint8), u.view(torch.uint8)) for u in distinct):
+        if not any(_same_bits(out, u) for u in distinct):
             distinct.append(out)
     return distinct
 
@@ -157,10 +162,6 @@ def _tuners():
     return found
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)  # float32: compared bit for bit (NaN equal to itself, -0.0 not to 0.0)
-
-
 def config_sensitivity(args) -> int:
     """Each autotuned kernel the whole chunk_gated_delta_rule launches, pinned to each of its configs in
     turn (the others as autotuned; chunk_scaled_dot_kkt_fwd kept to its race-free configs, as where PCP
@@ -199,9 +200,9 @@ def config_sensitivity(args) -> int:
                         except (OutOfResources, PTXASError):  # a config the shape cannot take
                             failed += 1
                             continue
-                        if not torch.equal(_bits(a), _bits(b)):
+                        if not _same_bits(a, b):
                             repeat_fail += 1  # a race of its own, not a choice of config
-                        elif not any(torch.equal(_bits(a), _bits(u)) for u in outs):
+                        elif not any(_same_bits(a, u) for u in outs):
                             outs.append(a)
                 spread = max(((u - base).abs().max().item() for u in outs), default=0.0)
                 print(f"{args.shape} T={T:6d} {name:55s}: {len(configs)} configs, {len(outs)} distinct repeatable "
