@@ -56,6 +56,7 @@ from benchmarks import bench_ttft, predict_ttft, step_traffic  # noqa: E402
 from benchmarks.plot import log2_axes, save_figure  # noqa: E402
 
 DEFAULT_LAYERS = 8  # --layers
+RANK_ALLOWANCE_BYTES = 3 << 30  # rank_bytes: one rank's memory besides its weights and KV cache
 SPREAD = {"decode": "spread", "min_split_tokens": 1 << 20}  # prompts replicated: a quick prefill here
 # the control: replicated decode at pcp > 1 is pcp=1's step plus one gather of the sampled rows, so its
 # turns against pcp=1's show what taking turns on the shared GPU adds to a step of more than one rank
@@ -403,6 +404,59 @@ def phase_lines(data: dict, keys: list[str]) -> list[str]:
     return lines
 
 
+def runs(out: str) -> dict:
+    """{config: its run's JSON} of the runs in ``out``."""
+    return {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS if (Path(out) / f"{c}.json").exists()}
+
+
+def folder_layers(data: dict, out: str, adding: int | None = None) -> int:
+    """The one layer count of the runs in ``data`` (and of a run ``adding`` to them): the report's
+    model terms take one; a folder of runs of different counts is refused."""
+    layers = {d.get("layers", DEFAULT_LAYERS) for d in data.values()}  # runs before --layers had 8
+    layers |= {adding} if adding else set()
+    if len(layers) > 1:
+        raise SystemExit(f"runs of different layer counts in {out}: {sorted(layers)} (one --out per --layers)")
+    return layers.pop() if layers else DEFAULT_LAYERS
+
+
+def rank_bytes(model: str) -> int:
+    """One rank's GPU memory, estimated: the checkpoint's bf16 weights (experts, mixers, the embedding
+    and LM head), the KV cache of ``shared_gpu_args`` and ``RANK_ALLOWANCE_BYTES``."""
+    t = json.loads((Path(model) / "config.json").read_text())["text_config"]
+    h, layers, period = t["hidden_size"], t["num_hidden_layers"], t["full_attention_interval"]
+    ffn = 3 * h * (t["num_experts"] * t["moe_intermediate_size"] + t["shared_expert_intermediate_size"])
+    q, v = t["linear_num_key_heads"] * t["linear_key_head_dim"], t["linear_num_value_heads"] * t["linear_value_head_dim"]
+    gdn = h * (2 * q + 3 * v + 2 * t["linear_num_value_heads"])  # q, k, v, z, b, a in; out
+    heads = t["num_attention_heads"] * t["head_dim"]
+    attention = h * ((2 if t.get("attn_output_gate") else 1) * heads + 2 * t["num_key_value_heads"] * t["head_dim"]
+                     + heads)  # q (and its gate), k, v in; out
+    mixers = layers // period * ((period - 1) * gdn + attention)
+    weights = 2 * (layers * ffn + mixers + 2 * t["vocab_size"] * h)
+    return weights + bench_ttft.shared_gpu_args(1)["kv_cache_memory_bytes"] + RANK_ALLOWANCE_BYTES
+
+
+def check_fits(model: str, configs: list[str], gpu_bytes: int) -> None:
+    """Refuses, before any engine starts, configs whose ranks together outgrow the one GPU."""
+    need = rank_bytes(model)
+    over = [c for c in configs if CONFIGS[c] * need > gpu_bytes]
+    if over:
+        most = max(CONFIGS[c] for c in over)
+        raise SystemExit(f"{', '.join(over)}: {most} ranks of about {need / 1e9:.0f} GB each do not fit this GPU's "
+                         f"{gpu_bytes / 1e9:.0f} GB; fewer --layers")
+
+
+def gpu_bytes() -> int | None:
+    """GPU 0's memory, from nvidia-smi (this process leaves CUDA to the engines); None without it."""
+    import subprocess
+
+    try:
+        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return None
+    return int(mib) << 20
+
+
 def report(out: str) -> dict:
     """The table (``table.txt``) and plot. Per point, replicated: pcp=1's turn time; spreadN: the slowest
     rank's turn time less its collectives' copies through host memory (``own_ms``; where a run has
@@ -410,12 +464,8 @@ def report(out: str) -> dict:
     ``replicated`` fitted to pcp=1 (x = B), and per N a spread rank's ``overhead`` (x = B) over pcp=1's
     step of its ceil(B/N) requests; a spread step at a context not run is predicted as that pcp=1 step
     (the fit, K/V reads included) plus the overhead plus the collective."""
-    data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
-            if (Path(out) / f"{c}.json").exists()}
-    layers = {d.get("layers", DEFAULT_LAYERS) for d in data.values()}  # runs before --layers had 8
-    if len(layers) > 1:
-        raise SystemExit(f"runs of different layer counts in {out}: {sorted(layers)}")
-    layers = layers.pop() if layers else DEFAULT_LAYERS
+    data = runs(out)
+    layers = folder_layers(data, out)
     attention = layers // 4
     base, piecewise = data.get("pcp1", {}), data.get("pcp1_piecewise", {})
     spread = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_spread")}
@@ -613,7 +663,8 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", help="only these batch sizes of the sweep")
     parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, choices=range(4, 41, 4),
                         help="the model's first layers (whole periods of 3 GDN + 1 attention); at pcp=N every "
-                             "rank's weights share the one GPU (about 1.75 GB per layer and rank)")
+                             "rank's weights share the one GPU (about 1.7 GB per layer and rank): configs that "
+                             "clearly do not fit are refused before any engine starts (rank_bytes)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
@@ -626,7 +677,10 @@ def main():
         child(*args.child, args.out, sweep, args.profile, args.shared_prefix, args.layers)
         return
     if not args.report_only:
+        folder_layers({c: d for c, d in runs(args.out).items() if c not in args.configs}, args.out, args.layers)
         model = bench_ttft.checkpoint(args.out, layers=args.layers)
+        if (total := gpu_bytes()) is not None:
+            check_fits(model, args.configs, total)
         for config in args.configs:
             argv = [__file__, "--out", args.out, "--layers", str(args.layers), "--contexts", *map(str, args.contexts),
                     *(["--batches", *map(str, args.batches)] if args.batches else []),

@@ -156,3 +156,31 @@ def test_the_report_prices_its_runs_layers_and_refuses_a_mix(tmp_path):
     (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "layers": 8, "4096/8": {"turn_ms": [4.0]}}))
     with pytest.raises(SystemExit, match="different layer counts"):
         bench.report(str(tmp_path))
+
+
+def test_runs_that_would_mix_layer_counts_or_outgrow_the_gpu_are_refused_before_any_engine(tmp_path, monkeypatch):
+    def no_engine(*a, **k):
+        raise AssertionError("an engine started")
+
+    monkeypatch.setattr(bench.bench_ttft, "run_child", no_engine)
+    out = str(tmp_path)
+
+    def main(*argv):
+        monkeypatch.setattr("sys.argv", ["bench_decode_spread.py", "--out", out, *argv])
+        bench.main()
+
+    (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "layers": 8}))
+    with pytest.raises(SystemExit, match=r"different layer counts in .*: \[8, 24\]"):
+        main("--layers", "24", "--configs", "pcp2_spread")
+    (tmp_path / "pcp1.json").unlink()
+    model = bench.bench_ttft.checkpoint(out, layers=24)
+    rank = bench.rank_bytes(model)
+    # 24 layers of about 1.7 GB of weights per rank, the embedding and LM head (2 GB), the KV cache
+    weights = rank - (8 << 30) - bench.RANK_ALLOWANCE_BYTES
+    assert 24 * 1.6e9 + 2e9 < weights < 24 * 1.75e9 + 2.1e9
+    monkeypatch.setattr(bench, "gpu_bytes", lambda: 3 * rank)
+    with pytest.raises(SystemExit, match="pcp4_spread: 4 ranks of about 54 GB each do not fit"):
+        main("--layers", "24", "--configs", "pcp2_spread", "pcp4_spread")
+    monkeypatch.setattr(bench, "gpu_bytes", lambda: 4 * rank)
+    with pytest.raises(AssertionError, match="an engine started"):
+        main("--layers", "24", "--configs", "pcp4_spread")

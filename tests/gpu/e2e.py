@@ -160,6 +160,34 @@ def _abort_mid_prefill(llm, spec):
     return {"steps": steps, "finished": finished}
 
 
+def _abort_mid_decode(llm, spec):
+    """Prompts of mixed lengths (``spec["abort_decode_prompts"]``, the last one held back) decode together;
+    once every one has 4 tokens, those at ``spec["abort_decode_victims"]`` are aborted (on a spread engine:
+    requests that ranks own while they decode), and two steps later the held-back prompt joins the batch.
+    The outputs of the requests that finished, by request id, and the step of the abort."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=spec.get("logprobs", 5))
+    *prompts, late = spec["abort_decode_prompts"]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    tokens, finished, aborted_at, steps = {}, {}, None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        if aborted_at is None and all(tokens.get(f"r{i}", 0) >= 4 for i in range(len(prompts))):
+            engine.abort_request([f"r{i}" for i in spec["abort_decode_victims"]])
+            aborted_at = steps
+        elif aborted_at is not None and steps == aborted_at + 2:
+            engine.add_request("late", {"prompt_token_ids": late}, sp)
+    ids = sorted(finished)
+    return {"ids": ids, "outputs": request_outputs([finished[i] for i in ids]), "aborted_at": aborted_at}
+
+
 def _max_tokens_one(llm, spec):
     """The first batch again with max_tokens=1: how many tokens each prompt got."""
     from vllm import SamplingParams
@@ -309,10 +337,10 @@ def _cached_state_digest(worker, blocks_by_group: dict[int, list[int]]) -> tuple
     return digest.hexdigest(), count
 
 
-ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "max_tokens_one": _max_tokens_one,
-           "prompt_logprobs": _prompt_logprobs, "spec_decode_metrics": _spec_decode_metrics,
-           "seeded_sampling": _seeded_sampling, "preemptions": _preemptions,
-           "answer_prefix_hits": _answer_prefix_hits}
+ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "abort_mid_decode": _abort_mid_decode,
+           "max_tokens_one": _max_tokens_one, "prompt_logprobs": _prompt_logprobs,
+           "spec_decode_metrics": _spec_decode_metrics, "seeded_sampling": _seeded_sampling,
+           "preemptions": _preemptions, "answer_prefix_hits": _answer_prefix_hits}
 
 
 # ----------------------------------------------------------------------------- parent side

@@ -5,8 +5,8 @@
 Tiny checkpoint, greedy, 32 tokens, top-5 logprobs, pcp = 2, 4, 8 with each decoding request on one
 rank against pcp=1 (whose decode every rank of ``decode="replicated"`` repeats):
 - ``main`` (eager): one request of 3000 tokens, then 64 requests of 1 to 12000 tokens at once (decode
-  rows beside split and replicated prompts, ranks owning 8 to 32 rows), ``max_tokens=1`` and an abort
-  mid-prefill;
+  rows beside split and replicated prompts, ranks owning 8 to 32 rows), ``max_tokens=1``, an abort
+  mid-prefill, and two of 8 requests aborted while they decode (a ninth joining two steps later);
 - ``preempt`` (eager, pcp = 2, 4): 32 requests of 1620 tokens in a KV cache of 19k tokens: each needs
   another block while it decodes, so vLLM preempts and recomputes requests decoding on one rank;
 - ``compiled`` (pcp = 2, 4, 8; vLLM's defaults: torch.compile and CUDA graphs): 24 requests of mixed
@@ -29,6 +29,7 @@ SPREAD = {"decode": "spread", "min_split_tokens": 512}
 # while it decodes, which the full cache does not have
 PREEMPT_PROMPT = 6 * 272 - 12
 PCPS = (1, 2, 4, 8)
+ABORT_DECODE_LENGTHS, ABORT_DECODE_VICTIMS = (3000, 40, 1200, 7, 5000, 600, 2500, 900, 1500), (1, 4)
 # engine -> the pcp sizes it runs at
 ENGINE_PCPS = {"main": PCPS, "preempt": (1, 2, 4), "compiled": PCPS, "prefix": (1, 2, 4)}
 
@@ -54,8 +55,11 @@ def _specs() -> dict:
             "engine_core_in_process": True,
             "batches": [e2e.prompt_ids((3000,), vocab, seed=21),
                         e2e.prompt_ids(mixed_lengths(64, 12000), vocab, seed=22)],
-            "actions": ["max_tokens_one", "abort_mid_prefill"],
+            "actions": ["max_tokens_one", "abort_mid_prefill", "abort_mid_decode"],
             "abort_prompt": e2e.prompt_ids((20000,), vocab, seed=23)[0],
+            # 8 requests decoding (3 of them split), 2 aborted, then one more of 1500 tokens
+            "abort_decode_prompts": e2e.prompt_ids(ABORT_DECODE_LENGTHS, vocab, seed=26),
+            "abort_decode_victims": ABORT_DECODE_VICTIMS,
         },
         "prefix": {
             # prefix caching, compiled (FULL graphs): answers decoded spread fill a block, which
@@ -123,6 +127,12 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 assert res["max_tokens_one"] == [1], res["max_tokens_one"]
                 assert "victim" not in res["abort_mid_prefill"]["finished"], res["abort_mid_prefill"]
                 assert res["abort_mid_prefill"]["finished"].get("survivor") == 8, res["abort_mid_prefill"]
+                # requests aborted while ranks own them: the others and a request joining after go on as at pcp=1
+                kept = [f"r{i}" for i in range(len(ABORT_DECODE_LENGTHS) - 1) if i not in ABORT_DECODE_VICTIMS]
+                ref_abort, abort = ref["abort_mid_decode"], res["abort_mid_decode"]
+                c["abort_mid_decode"] = e2e.compare(ref_abort["outputs"], abort["outputs"])
+                assert abort["ids"] == ref_abort["ids"] == sorted([*kept, "late"]), (ref_abort["ids"], abort["ids"])
+                assert c["abort_mid_decode"]["ok"], c["abort_mid_decode"]
             if name == "preempt":
                 assert res["preemptions"] > 0, "the small KV cache preempted nothing"
             if name == "prefix":
