@@ -104,13 +104,13 @@ def _distinct(call, runs: int) -> list:
 def _pinned(tuner):
     """(the autotuner's configs, pin): ``pin(cfg)`` makes ``cfg`` its only config (its choice
     forgotten); its configs and choices come back after."""
-    configs, cache = list(tuner.configs), dict(tuner.cache)
+    configs, cache = tuner.configs, tuner.cache  # the objects themselves come back
 
     def pin(cfg):
         tuner.configs, tuner.cache = [cfg], {}
 
     try:
-        yield configs, pin
+        yield list(configs), pin
     finally:
         tuner.configs, tuner.cache = configs, cache
 
