@@ -44,6 +44,7 @@ that run between the graphs; ``CUDAGraph`` replays) by name; then 8 more under c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -268,9 +269,11 @@ def graph_rows(rows: int) -> int:
     return next((s for s in sizes if s >= rows), rows)
 
 
+@functools.lru_cache(maxsize=None)
 def collectives_ms(n: int, batch: int, attention_layers: int) -> float:
     """A spread decode step's collectives at pcp=n (``step_traffic`` of its plan, priced as
-    ``predict_ttft`` prices a split step's) in a model of ``attention_layers``."""
+    ``predict_ttft`` prices a split step's) in a model of ``attention_layers``; each point's plan
+    built once however many report cells price it."""
     import numpy as np
 
     from qwen36_pcp.config import PCPConfig
