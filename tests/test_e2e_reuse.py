@@ -1,6 +1,11 @@
-"""QWEN36_PCP_REUSE takes a saved engine result only if the same spec, code and stack made it."""
+"""The GPU tests' engine harness on the CPU: QWEN36_PCP_REUSE takes a saved engine result only if the
+same spec, code and stack made it; every spec runs through ``run_engine``; an engine child that lost
+its rendezvous port starts again once."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from tests.gpu import e2e
 
@@ -89,19 +94,20 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
 
         def add_request(self, rid, prompt, sp):
             assert prompt["prompt_token_ids"]
-            self.pending[rid] = [3, sp.max_tokens]  # steps left, tokens
+            self.pending[rid] = [0, sp.max_tokens]  # steps run, tokens
 
         def has_unfinished_requests(self):
             return bool(self.pending)
 
-        def step(self):
-            done = []
-            for rid, left in list(self.pending.items()):
-                left[0] -= 1
-                if not left[0]:
-                    done.append(types.SimpleNamespace(request_id=rid, finished=True, outputs=[Output(left[1])]))
+        def step(self):  # a third of each request's tokens per step, as vLLM's cumulative outputs
+            outs = []
+            for rid, req in list(self.pending.items()):
+                req[0] += 1
+                outs.append(types.SimpleNamespace(request_id=rid, finished=req[0] == 3, num_cached_tokens=0,
+                                                  outputs=[Output(req[1] * req[0] // 3)]))
+                if req[0] == 3:
                     del self.pending[rid]
-            return done
+            return outs
 
         def abort_request(self, ids):
             for rid in ids:
@@ -134,17 +140,23 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 8192}}))
     monkeypatch.setattr(e2e, "checkpoint", lambda preset="tiny", fp8=False: str(tmp_path))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    from tests.gpu import test_decode_spread_e2e as spread
     from tests.gpu import test_fp8_gpu
 
-    specs = {**t.layout_jobs(), **t.compiled_jobs(), **test_fp8_gpu.fp8_jobs()}
+    specs = {**t.layout_jobs(), **t.compiled_jobs(), **test_fp8_gpu.fp8_jobs(),
+             "spread_main": spread.spread_jobs()["spread_main_pcp2"]}
     for name, (spec, _) in specs.items():
         result = e2e.run_engine(spec)
         assert len(result["runs"]) == len(spec["batches"]), name
         for action in spec.get("actions", []):
             assert action in result, (name, action)
         if "max_tokens_one" in spec.get("actions", []):
-            assert result["max_tokens_one"] == [1] * len(t.CASE1_LENGTHS)
+            assert result["max_tokens_one"] == [1] * len(spec["batches"][0])
             assert result["abort_mid_prefill"]["finished"] == {"survivor": 8}
+    # aborted once all were decoding (their first third), the held-back prompt in after two more steps
+    abort = result["abort_mid_decode"]
+    assert abort["aborted_at"] == 1 and abort["ids"] == ["late", "r0", "r2", "r3", "r5", "r6", "r7"], abort
+    assert all(len(o["token_ids"]) == 24 for o in abort["outputs"])
 
 
 def test_serve_prompts_fit_the_servers_context(tmp_path):
@@ -158,3 +170,30 @@ def test_serve_prompts_fit_the_servers_context(tmp_path):
     lengths = [len(tok.encode(p).ids) for p in t.serve_prompts()]
     assert len(lengths) == 64 and max(lengths) + t.SERVE_MAX_TOKENS <= t.SERVE_MAX_MODEL_LEN, max(lengths)
     assert max(lengths) > 8192 > min(lengths)  # mixed lengths, some long
+
+
+def test_an_engine_that_lost_its_rendezvous_port_starts_again_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.delenv("QWEN36_PCP_REUSE", raising=False)
+    starts = []
+
+    class Child:  # the engine child: its first start loses the port, as engines starting together can
+        def __init__(self, argv, stdout, **kw):
+            starts.append(argv)
+            self.returncode = 1 if len(starts) == 1 or lose_always else 0
+            if self.returncode:
+                stdout.write(f"torch.distributed.DistNetworkError: ... {e2e.PORT_TAKEN}, address already in use\n")
+            else:
+                Path(argv[-1]).write_text(json.dumps({"runs": []}))
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    monkeypatch.setattr(e2e.subprocess, "Popen", Child)
+    lose_always = False
+    assert e2e.engine({"llm": {}}, name="racer")["runs"] == [] and len(starts) == 2
+    starts.clear()
+    lose_always = True
+    with pytest.raises(AssertionError, match="racer: exit code 1"):
+        e2e.engine({"llm": {}}, name="racer")
+    assert len(starts) == 2  # once more only

@@ -478,6 +478,9 @@ def _kill_group(proc: subprocess.Popen, dump: bool) -> None:
     proc.wait()
 
 
+PORT_TAKEN = "EADDRINUSE"  # in a failed engine's log: see ``engine``
+
+
 def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | None = None) -> dict:
     """Run one engine spec in a child process; raises with the log tail if it fails or hangs.
 
@@ -496,16 +499,22 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
         log_path = out_dir() / f"{name}.log"
         env = child_env(gpus)
         t0 = time.time()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.e2e", "engine", str(spec_path),
-                                     str(out_path)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired as e:
-                _kill_group(proc, dump=True)
-                raise AssertionError(f"{name}: no answer within {timeout} s (stall)\n"
-                                     + log_path.read_text()[-6000:]) from e
+        for attempt in range(2):
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.e2e", "engine", str(spec_path),
+                                         str(out_path)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired as e:
+                    _kill_group(proc, dump=True)
+                    raise AssertionError(f"{name}: no answer within {timeout} s (stall)\n"
+                                         + log_path.read_text()[-6000:]) from e
+            # engines starting side by side can take the same free port for their ranks' rendezvous:
+            # the one that lost it starts again (nothing ran yet)
+            if proc.returncode == 0 or attempt or PORT_TAKEN not in log_path.read_text():
+                break
+            print(f"[engine] {name}: its rendezvous port was taken, starting again", flush=True)
         if proc.returncode != 0 or not out_path.exists():
             raise AssertionError(f"{name}: exit code {proc.returncode}\n" + log_path.read_text()[-6000:])
         result = json.loads(out_path.read_text())
