@@ -269,11 +269,9 @@ def graph_rows(rows: int) -> int:
     return next((s for s in sizes if s >= rows), rows)
 
 
-@functools.lru_cache(maxsize=None)
 def collectives_ms(n: int, batch: int, attention_layers: int) -> float:
     """A spread decode step's collectives at pcp=n (``step_traffic`` of its plan, priced as
-    ``predict_ttft`` prices a split step's) in a model of ``attention_layers``; each point's plan
-    built once however many report cells price it."""
+    ``predict_ttft`` prices a split step's) in a model of ``attention_layers``."""
     import numpy as np
 
     from qwen36_pcp.config import PCPConfig
@@ -428,7 +426,8 @@ def rank_bytes(model: str) -> int:
     t = json.loads((Path(model) / "config.json").read_text())["text_config"]
     h, layers, period = t["hidden_size"], t["num_hidden_layers"], t["full_attention_interval"]
     ffn = 3 * h * (t["num_experts"] * t["moe_intermediate_size"] + t["shared_expert_intermediate_size"])
-    q, v = t["linear_num_key_heads"] * t["linear_key_head_dim"], t["linear_num_value_heads"] * t["linear_value_head_dim"]
+    q = t["linear_num_key_heads"] * t["linear_key_head_dim"]
+    v = t["linear_num_value_heads"] * t["linear_value_head_dim"]
     gdn = h * (2 * q + 3 * v + 2 * t["linear_num_value_heads"])  # q, k, v, z, b, a in; out
     heads = t["num_attention_heads"] * t["head_dim"]
     attention = h * ((2 if t.get("attn_output_gate") else 1) * heads + 2 * t["num_key_value_heads"] * t["head_dim"]
@@ -438,22 +437,25 @@ def rank_bytes(model: str) -> int:
     return weights + bench_ttft.shared_gpu_args(1)["kv_cache_memory_bytes"] + RANK_ALLOWANCE_BYTES
 
 
-def check_fits(model: str, configs: list[str], gpu_bytes: int) -> None:
-    """Refuses, before any engine starts, configs whose ranks together outgrow the one GPU."""
+def check_fits(model: str, configs: list[str], total: int) -> None:
+    """Refuses, before any engine starts, configs whose ranks together outgrow the one GPU (``total``
+    bytes)."""
     need = rank_bytes(model)
-    over = [c for c in configs if CONFIGS[c] * need > gpu_bytes]
+    over = [c for c in configs if CONFIGS[c] * need > total]
     if over:
         most = max(CONFIGS[c] for c in over)
         raise SystemExit(f"{', '.join(over)}: {most} ranks of about {need / 1e9:.0f} GB each do not fit this GPU's "
-                         f"{gpu_bytes / 1e9:.0f} GB; fewer --layers")
+                         f"{total / 1e9:.0f} GB; fewer --layers")
 
 
 def gpu_bytes() -> int | None:
-    """GPU 0's memory, from nvidia-smi (this process leaves CUDA to the engines); None without it."""
+    """The engines' GPU's memory (the first visible one), from nvidia-smi (this process leaves CUDA to
+    the engines); None without it."""
     import subprocess
 
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     try:
-        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first],
                              capture_output=True, text=True, check=True).stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
         return None
@@ -470,6 +472,7 @@ def report(out: str) -> dict:
     data = runs(out)
     layers = folder_layers(data, out)
     attention = layers // 4
+    collective = functools.lru_cache(maxsize=None)(collectives_ms)  # each point's plan built once
     base, piecewise = data.get("pcp1", {}), data.get("pcp1_piecewise", {})
     spread = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_spread")}
     control = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_replicated")}
@@ -489,9 +492,9 @@ def report(out: str) -> dict:
                 turns = d[key]["turn_ms"]
                 own = d[key].get("own_ms", turns)  # per rank: turn less copies (a run without them: turn)
                 row[f"spread{n}_turn_ms"] = max(turns)
-                row[f"spread{n}_ms"] = max(own) + collectives_ms(n, batch, attention)
+                row[f"spread{n}_ms"] = max(own) + collective(n, batch, attention)
                 if "host_ms" in d[key]:
-                    row[f"spread{n}_hidden_ms"] = hidden_host_ms(d[key], collectives_ms(n, batch, attention))
+                    row[f"spread{n}_hidden_ms"] = hidden_host_ms(d[key], collective(n, batch, attention))
         for n, d in control.items():
             if key in d:
                 row[f"control{n}_turn_ms"] = max(d[key]["turn_ms"])
@@ -508,7 +511,7 @@ def report(out: str) -> dict:
 
     overhead_fits = {}
     for n in ns:
-        pts = [(r["batch"], r["context"], r[f"spread{n}_ms"] - collectives_ms(n, r["batch"], attention)
+        pts = [(r["batch"], r["context"], r[f"spread{n}_ms"] - collective(n, r["batch"], attention)
                 - replicated(math.ceil(r["batch"] / n), r["context"]))
                for r in rows if f"spread{n}_ms" in r and replicated(math.ceil(r["batch"] / n), r["context"])]
         if len(pts) >= 4:
@@ -575,7 +578,7 @@ def report(out: str) -> dict:
                 cells = []
                 for n, overhead in overhead_fits.items():
                     spr = (step_model(replicated_fit, math.ceil(batch / n), context)
-                           + step_model(overhead, batch, context) + collectives_ms(n, batch, attention))
+                           + step_model(overhead, batch, context) + collective(n, batch, attention))
                     cells.append(f"{spr:8.2f} ({rep / spr:4.2f}x)")
                 lines.append(f"{context:>8} {batch:>3} {rep:11.2f} " + " ".join(cells))
     profiles = {c: d["profile"] for c, d in data.items() if d.get("profile")}
@@ -685,6 +688,8 @@ def main():
         if (total := gpu_bytes()) is not None:
             check_fits(model, args.configs, total)
         for config in args.configs:
+            # a run that fails before its first point leaves no earlier run's numbers in its place
+            (Path(args.out) / f"{config}.json").unlink(missing_ok=True)
             argv = [__file__, "--out", args.out, "--layers", str(args.layers), "--contexts", *map(str, args.contexts),
                     *(["--batches", *map(str, args.batches)] if args.batches else []),
                     *(["--profile"] if args.profile else []), *(["--shared-prefix"] if args.shared_prefix else []),

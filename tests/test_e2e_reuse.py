@@ -94,18 +94,21 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
 
         def add_request(self, rid, prompt, sp):
             assert prompt["prompt_token_ids"]
-            self.pending[rid] = [0, sp.max_tokens]  # steps run, tokens
+            # steps run, its prefill's steps (one per 1000 prompt tokens begun), tokens wanted
+            self.pending[rid] = [0, 1 + len(prompt["prompt_token_ids"]) // 1000, sp.max_tokens]
 
         def has_unfinished_requests(self):
             return bool(self.pending)
 
-        def step(self):  # a third of each request's tokens per step, as vLLM's cumulative outputs
+        def step(self):  # vLLM's cumulative outputs: one token per step from the prefill's last step on
             outs = []
             for rid, req in list(self.pending.items()):
                 req[0] += 1
-                outs.append(types.SimpleNamespace(request_id=rid, finished=req[0] == 3, num_cached_tokens=0,
-                                                  outputs=[Output(req[1] * req[0] // 3)]))
-                if req[0] == 3:
+                tokens = req[0] - req[1] + 1
+                if tokens > 0:
+                    outs.append(types.SimpleNamespace(request_id=rid, finished=tokens == req[2], num_cached_tokens=0,
+                                                      outputs=[Output(tokens)]))
+                if tokens == req[2]:
                     del self.pending[rid]
             return outs
 
@@ -145,17 +148,19 @@ def test_every_engine_spec_runs_through_run_engine(monkeypatch, tmp_path):
 
     specs = {**t.layout_jobs(), **t.compiled_jobs(), **test_fp8_gpu.fp8_jobs(),
              "spread_main": spread.spread_jobs()["spread_main_pcp2"]}
+    results = {}
     for name, (spec, _) in specs.items():
-        result = e2e.run_engine(spec)
+        result = results[name] = e2e.run_engine(spec)
         assert len(result["runs"]) == len(spec["batches"]), name
         for action in spec.get("actions", []):
             assert action in result, (name, action)
         if "max_tokens_one" in spec.get("actions", []):
             assert result["max_tokens_one"] == [1] * len(spec["batches"][0])
             assert result["abort_mid_prefill"]["finished"] == {"survivor": 8}
-    # aborted once all were decoding (their first third), the held-back prompt in after two more steps
-    abort = result["abort_mid_decode"]
-    assert abort["aborted_at"] == 1 and abort["ids"] == ["late", "r0", "r2", "r3", "r5", "r6", "r7"], abort
+    # aborted once every request had 4 tokens (the 5000-token prompt's 6 prefill steps, then 4 tokens),
+    # the held-back prompt in two steps later
+    abort = results["spread_main"]["abort_mid_decode"]
+    assert abort["aborted_at"] == 9 and abort["ids"] == ["late", "r0", "r2", "r3", "r5", "r6", "r7"], abort
     assert all(len(o["token_ids"]) == 24 for o in abort["outputs"])
 
 
@@ -175,14 +180,16 @@ def test_serve_prompts_fit_the_servers_context(tmp_path):
 def test_an_engine_that_lost_its_rendezvous_port_starts_again_once(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.delenv("QWEN36_PCP_REUSE", raising=False)
-    starts = []
+    port_taken = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+                  "network address. port: 38307, useIpv6: false, code: -98, name: EADDRINUSE\n")
+    starts, killed, failures = [], [], []
 
-    class Child:  # the engine child: its first start loses the port, as engines starting together can
+    class Child:  # the engine child: it fails with the next of ``failures`` while any are left
         def __init__(self, argv, stdout, **kw):
             starts.append(argv)
-            self.returncode = 1 if len(starts) == 1 or lose_always else 0
-            if self.returncode:
-                stdout.write(f"torch.distributed.DistNetworkError: ... {e2e.PORT_TAKEN}, address already in use\n")
+            self.returncode = 1 if failures else 0
+            if failures:
+                stdout.write(failures.pop(0))
             else:
                 Path(argv[-1]).write_text(json.dumps({"runs": []}))
 
@@ -190,10 +197,21 @@ def test_an_engine_that_lost_its_rendezvous_port_starts_again_once(tmp_path, mon
             return self.returncode
 
     monkeypatch.setattr(e2e.subprocess, "Popen", Child)
-    lose_always = False
-    assert e2e.engine({"llm": {}}, name="racer")["runs"] == [] and len(starts) == 2
-    starts.clear()
-    lose_always = True
+    monkeypatch.setattr(e2e, "_kill_group", lambda proc, dump: killed.append(proc))
+
+    def run(*fail):
+        starts.clear(), killed.clear()
+        failures[:] = fail
+        return e2e.engine({"llm": {}}, name="racer")
+
+    # lost the port once: its group stopped, its log kept, started again
+    assert run(port_taken)["restarts"] == 1 and len(starts) == 2 and len(killed) == 1
+    assert "EADDRINUSE" in (tmp_path / "racer.1.log").read_text()
+    # lost it twice: once more only
     with pytest.raises(AssertionError, match="racer: exit code 1"):
-        e2e.engine({"llm": {}}, name="racer")
-    assert len(starts) == 2  # once more only
+        run(port_taken, port_taken)
+    assert len(starts) == 2
+    # any other failure, even one naming the same errno elsewhere: not started again
+    with pytest.raises(AssertionError, match="racer: exit code 1"):
+        run("RuntimeError: CUDA out of memory (the NCCL socket said EADDRINUSE earlier)\n", port_taken)
+    assert len(starts) == 1 and not killed

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -168,7 +169,7 @@ def _abort_mid_decode(llm, spec):
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=spec.get("logprobs", 5))
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=spec.get("logprobs", 5))
     *prompts, late = spec["abort_decode_prompts"]
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
@@ -184,6 +185,8 @@ def _abort_mid_decode(llm, spec):
             aborted_at = steps
         elif aborted_at is not None and steps == aborted_at + 2:
             engine.add_request("late", {"prompt_token_ids": late}, sp)
+    if aborted_at is None or "late" not in finished:
+        raise RuntimeError(f"abort_mid_decode: the requests ended before the abort or the late request: {tokens}")
     ids = sorted(finished)
     return {"ids": ids, "outputs": request_outputs([finished[i] for i in ids]), "aborted_at": aborted_at}
 
@@ -478,7 +481,8 @@ def _kill_group(proc: subprocess.Popen, dump: bool) -> None:
     proc.wait()
 
 
-PORT_TAKEN = "EADDRINUSE"  # in a failed engine's log: see ``engine``
+# a failed engine's rendezvous error when an engine starting beside it took its free port (``engine``)
+PORT_TAKEN = re.compile(r"DistNetworkError: .*failed to listen.*EADDRINUSE")
 
 
 def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | None = None) -> dict:
@@ -498,7 +502,7 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
         spec_path.write_text(json.dumps(spec))
         log_path = out_dir() / f"{name}.log"
         env = child_env(gpus)
-        t0 = time.time()
+        t0, restarts = time.time(), 0
         for attempt in range(2):
             with open(log_path, "w") as log:
                 proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.e2e", "engine", str(spec_path),
@@ -511,14 +515,17 @@ def engine(spec: dict, timeout: float = 420, name: str = "engine", gpus: str | N
                     raise AssertionError(f"{name}: no answer within {timeout} s (stall)\n"
                                          + log_path.read_text()[-6000:]) from e
             # engines starting side by side can take the same free port for their ranks' rendezvous:
-            # the one that lost it starts again (nothing ran yet)
-            if proc.returncode == 0 or attempt or PORT_TAKEN not in log_path.read_text():
+            # the one that lost it starts again (nothing ran yet), its first log kept beside
+            if proc.returncode == 0 or attempt or not PORT_TAKEN.search(log_path.read_text()):
                 break
+            _kill_group(proc, dump=False)
+            log_path.replace(log_path.with_suffix(".1.log"))
+            restarts += 1
             print(f"[engine] {name}: its rendezvous port was taken, starting again", flush=True)
         if proc.returncode != 0 or not out_path.exists():
             raise AssertionError(f"{name}: exit code {proc.returncode}\n" + log_path.read_text()[-6000:])
         result = json.loads(out_path.read_text())
-        result["wall_s"] = time.time() - t0
+        result["wall_s"], result["restarts"] = time.time() - t0, restarts
         result["made_by"] = made_by
         save(name, result)
         return result

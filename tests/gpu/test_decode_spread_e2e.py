@@ -57,7 +57,7 @@ def _specs() -> dict:
                         e2e.prompt_ids(mixed_lengths(64, 12000), vocab, seed=22)],
             "actions": ["max_tokens_one", "abort_mid_prefill", "abort_mid_decode"],
             "abort_prompt": e2e.prompt_ids((20000,), vocab, seed=23)[0],
-            # 8 requests decoding (3 of them split), 2 aborted, then one more of 1500 tokens
+            # 8 requests decoding, 2 aborted, then one more of 1500 tokens (split beside the decode rows)
             "abort_decode_prompts": e2e.prompt_ids(ABORT_DECODE_LENGTHS, vocab, seed=26),
             "abort_decode_victims": ABORT_DECODE_VICTIMS,
         },
@@ -132,6 +132,7 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 ref_abort, abort = ref["abort_mid_decode"], res["abort_mid_decode"]
                 c["abort_mid_decode"] = e2e.compare(ref_abort["outputs"], abort["outputs"])
                 assert abort["ids"] == ref_abort["ids"] == sorted([*kept, "late"]), (ref_abort["ids"], abort["ids"])
+                assert abort["aborted_at"] == ref_abort["aborted_at"], (ref_abort, abort)  # the same batches
                 assert c["abort_mid_decode"]["ok"], c["abort_mid_decode"]
             if name == "preempt":
                 assert res["preemptions"] > 0, "the small KV cache preempted nothing"
