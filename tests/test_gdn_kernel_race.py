@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.gpu.gdn_kernel_race import _pinned, _same_bits
+from tests.gpu.gdn_kernel_race import _add_to_class, _pinned, _same_bits
 
 
 def test_same_bits_is_bit_for_bit():
@@ -26,3 +26,11 @@ def test_a_pinned_autotuner_gets_its_own_configs_and_choices_back():
         assert tuner.configs == [b] and tuner.cache == {}
         tuner.cache["shape"] = b  # the pinned run's choice
     assert tuner.configs is configs and tuner.cache is cache and cache == {"shape": a}
+
+
+def test_configs_are_filed_by_the_bits_of_their_output():
+    a, b = torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])
+    outs, members = [], []
+    for out, cfg in ((a, "c0"), (b, "c1"), (a.clone(), "c2"), (-b * -1, "c3")):
+        _add_to_class(outs, members, out, cfg)
+    assert len(outs) == 2 and members == [["c0", "c2"], ["c1", "c3"]]

@@ -11,7 +11,8 @@ times it (what keeping only the race-free ones costs). ``--config-sensitivity`` 
 kernel of the GDN prefill path in turn to each of its configs and runs the whole
 ``chunk_gated_delta_rule`` (q/k L2-normalised in the kernel, as vLLM's GDN layer calls it): the
 kernels whose choice of config alone changes the output, which an autotuner picking by speed turns
-into answers that differ between cold starts.
+into answers that differ between cold starts, and for each which configs give which output (the
+configs to keep for one answer).
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
 configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.deterministic_gdn.race_free_gdn_kkt`` keeps those.
 """
@@ -98,6 +99,16 @@ def _distinct(call, runs: int) -> list:
         if not any(_same_bits(out, u) for u in distinct):
             distinct.append(out)
     return distinct
+
+
+def _add_to_class(outs: list, members: list, out: torch.Tensor, cfg) -> None:
+    """Files ``cfg`` under the output it gave: ``members[i]`` the configs whose output is ``outs[i]``
+    bit for bit (a new class for an output unlike all)."""
+    i = next((i for i, u in enumerate(outs) if _same_bits(out, u)), len(outs))
+    if i == len(outs):
+        outs.append(out)
+        members.append([])
+    members[i].append(cfg)
 
 
 @contextlib.contextmanager
@@ -191,7 +202,7 @@ def config_sensitivity(args) -> int:
             # kernels this call launched: their autotuners hold a choice (others, e.g. variants for
             # another normalisation or chunk size, would look insensitive without running)
             for name, tuner in (t for t in _tuners() if t[1].cache):
-                outs, repeat_fail, failed = [], 0, 0
+                outs, members, repeat_fail, failed = [], [], 0, 0  # distinct outputs, their configs
                 with _pinned(tuner) as (configs, pin):
                     for cfg in configs:
                         pin(cfg)
@@ -202,14 +213,17 @@ def config_sensitivity(args) -> int:
                             continue
                         if not _same_bits(a, b):
                             repeat_fail += 1  # a race of its own, not a choice of config
-                        elif not any(_same_bits(a, u) for u in outs):
-                            outs.append(a)
+                            continue
+                        _add_to_class(outs, members, a, cfg)
                 spread = max(((u - base).abs().max().item() for u in outs), default=0.0)
                 print(f"{args.shape} T={T:6d} {name:55s}: {len(configs)} configs, {len(outs)} distinct repeatable "
                       f"outputs, max |diff| vs autotuned {spread:.3g}, not repeatable under {repeat_fail}, "
                       f"failed {failed}", flush=True)
                 if len(outs) > 1:
                     sensitive.append(name)
+                    for u, cfgs in zip(outs, members):  # which configs to keep for one answer
+                        same = "the autotuned output" if _same_bits(u, base) else "another output"
+                        print(f"    {same}: {'; '.join(map(str, cfgs))}", flush=True)
     finally:
         restore_gdn_kkt()
     print(f"kernels whose config changes the output: {sorted(set(sensitive))}", flush=True)
