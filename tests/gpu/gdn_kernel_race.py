@@ -89,18 +89,6 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def _distinct(call, runs: int) -> list:
-    fills = [float("nan"), 1e30, -1e30, 0.0, 123.0]
-    distinct = []
-    for r in range(runs):
-        _garbage(fills[r % len(fills)])
-        out = call()
-        out = (out[0] if isinstance(out, tuple) else out).clone()
-        if not any(_same_bits(out, u) for u in distinct):
-            distinct.append(out)
-    return distinct
-
-
 def _add_to_class(outs: list, members: list, out: torch.Tensor, cfg) -> None:
     """Files ``cfg`` under the output it gave: ``members[i]`` the configs whose output is ``outs[i]``
     bit for bit (a new class for an output unlike all)."""
@@ -109,6 +97,16 @@ def _add_to_class(outs: list, members: list, out: torch.Tensor, cfg) -> None:
         outs.append(out)
         members.append([])
     members[i].append(cfg)
+
+
+def _distinct(call, runs: int) -> list:
+    fills = [float("nan"), 1e30, -1e30, 0.0, 123.0]
+    distinct, run_ids = [], []
+    for r in range(runs):
+        _garbage(fills[r % len(fills)])
+        out = call()
+        _add_to_class(distinct, run_ids, (out[0] if isinstance(out, tuple) else out).clone(), r)
+    return distinct
 
 
 @contextlib.contextmanager
