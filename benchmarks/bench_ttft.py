@@ -11,7 +11,7 @@ JSON + PNG. The current defaults against pcp=1 and tp=2 on a 2-GPU machine, in o
 
 Every config runs the same GDN kernel configs: ``--kkt-configs race_free`` (default) keeps vLLM's
 ``chunk_scaled_dot_kkt_fwd`` to its race-free autotune configs in every engine, as PCP does
-(qwen36_pcp.deterministic_gdn.race_free_gdn_kkt); ``all`` lets the autotuner pick from all of them, as
+(qwen36_pcp.deterministic_gdn.pin_gdn_configs, with two more GDN kernels kept to one output's configs); ``all`` lets the autotuner pick from all of them, as
 vLLM does (at pcp=2 too). Run both on pcp1 to see what the workaround costs.
 """
 

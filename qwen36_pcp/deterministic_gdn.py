@@ -1,13 +1,29 @@
-"""vLLM 0.20.2's GDN prefill kernel race, and the workaround: keep its autotuner to race-free configs.
+"""One answer from vLLM's GDN prefill kernels, whatever their autotuners pick: keep three of them to
+configs that give one output.
 
-In vLLM 0.20.2 (Triton 3.6, H200) ``chunk_scaled_dot_kkt_fwd`` (beta * K K^T per 64-token chunk, the
-first step of every GDN prefill) gives different results for identical inputs under 9 to 11 of its 27
-autotune configs (by shape and length), all of which loop over K in blocks of 32 or 64 with 4 or 8
-warps (up to 10 distinct outputs in 10 runs, entries off by up to 2e-2), and its autotuner may pick one
-of them. That is why vLLM's own answers to a prompt of more than ~2k tokens changed from run to run.
-The configs with BK == 128 cover Qwen3.6's K = 128 in one block and were bitwise repeatable in every
-sweep (``python -m tests.gpu.diagnose kkt-race --sweep-configs``); at 32k-128k tokens of the
-Qwen3.6-35B-A3B shape they cost ~0.1% of TTFT.
+vLLM 0.20.2's GDN prefill (``chunk_gated_delta_rule``, Triton 3.6) autotunes its kernels by speed, keyed
+on head counts and sizes but not on the token count: a process picks each kernel's config at its first
+prefill (vLLM's profile run, of a length that differs between pcp=1 and a PCP rank) and keeps it. Three
+kernels' outputs depend on that pick (``python -m tests.gpu.diagnose kkt-race --config-sensitivity``,
+each kernel pinned to each of its configs in turn, 300 to 131072 tokens, the tiny and the 35B shapes,
+H200):
+
+* ``chunk_scaled_dot_kkt_fwd`` (beta * K K^T per 64-token chunk) gives different results for identical
+  inputs under 9 to 11 of its 27 configs, all looping over K in blocks of 32 or 64 (up to 10 distinct
+  outputs in 10 runs, entries off by up to 2e-2): vLLM's own answers to a prompt of more than ~2k
+  tokens changed from run to run. Its BK=128 configs cover Qwen3.6's K = 128 in one block and were
+  bitwise repeatable in every sweep.
+* ``chunk_fwd_o`` (the output of each chunk) is repeatable under each config, but its BK=64 configs
+  with 2 warps give another output than the rest (up to 2.4e-4 apart at 128k tokens); its BK=128
+  configs give one.
+* ``solve_tril``'s 64x64 merge: its 2-warp configs give another output than its 4- and 8-warp ones from
+  32k tokens on (up to 1.5e-5); below, one output. Kept to the 2-warp ones, which were also the
+  fastest there (the whole call 3.14 against 3.48 ms at 32k tokens, 12.60 against 13.93 ms at 128k).
+
+With those kept, one prompt's GDN prefill gives the same bits in every process whichever configs the
+autotuners pick: a PCP rank's and pcp=1's, an engine started cold and one started warm. What it costs:
+``docs/design.md`` (Determinism); ``--pin-cost`` times each kernel autotuned at the prompt's length
+among all its configs against among the kept ones.
 
 On by default where PCP runs (the PCP worker applies it); ``QWEN36_PCP_DETERMINISTIC_GDN=1`` applies it
 in every vLLM process (pcp == 1 and vLLM's own models included: for exact comparisons), ``=0`` nowhere.
@@ -15,10 +31,11 @@ in every vLLM process (pcp == 1 and vLLM's own models included: for exact compar
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
-
-from vllm.model_executor.layers.fla.ops import chunk_scaled_dot_kkt
+from dataclasses import dataclass
+from typing import Callable
 
 DETERMINISTIC_GDN_ENV = "QWEN36_PCP_DETERMINISTIC_GDN"
 ORIGINAL_CONFIGS = "__qwen36_pcp_original_configs__"
@@ -26,36 +43,74 @@ ORIGINAL_CONFIGS = "__qwen36_pcp_original_configs__"
 logger = logging.getLogger("vllm.qwen36_pcp")  # under vLLM's logger, so that it shows in the engine's log
 
 
-def race_free_gdn_kkt_wanted(pcp: bool) -> bool:
+@dataclass(frozen=True)
+class ConfigPin:
+    """A GDN prefill kernel of vLLM (``vllm.model_executor.layers.fla.ops.<module>.<kernel>``) kept to
+    the autotune configs ``keep`` accepts (described by ``kept``), because of ``why``."""
+
+    module: str
+    kernel: str
+    keep: Callable
+    kept: str
+    why: str
+
+    def tuner(self):
+        """The kernel's Triton autotuner: under ``@heuristics`` (``.fn``) or bare; None where this vLLM
+        has no autotuner there (without a GPU vLLM puts plain functions in place of its kernels)."""
+        from triton.runtime.autotuner import Autotuner
+
+        mod = importlib.import_module(f"vllm.model_executor.layers.fla.ops.{self.module}")
+        obj = getattr(mod, self.kernel, None)
+        for tuner in (obj, getattr(obj, "fn", None)):
+            if isinstance(tuner, Autotuner):
+                return tuner
+        return None
+
+
+def _block_k(c) -> int | None:
+    return c.kwargs.get("BK")
+
+
+PINS = (
+    ConfigPin("chunk_scaled_dot_kkt", "chunk_scaled_dot_kkt_fwd_kernel", lambda c: _block_k(c) == 128,
+              "BK=128", "its other configs race"),
+    ConfigPin("chunk_o", "chunk_fwd_kernel_o", lambda c: _block_k(c) == 128,
+              "BK=128", "its BK=64, 2-warp configs give another output"),
+    ConfigPin("solve_tril", "merge_16x16_to_64x64_inverse_kernel", lambda c: c.num_warps == 2,
+              "2-warp", "its 4- and 8-warp configs give another output"),
+)
+
+
+def pin_gdn_configs_wanted(pcp: bool) -> bool:
     """On where PCP runs unless ``QWEN36_PCP_DETERMINISTIC_GDN=0``; everywhere with ``=1``."""
     value = os.environ.get(DETERMINISTIC_GDN_ENV, "").strip()
     return value == "1" or (pcp and value != "0")
 
 
-def _kkt_tuner():
-    # @heuristics -> @autotune -> @jit (without a GPU vLLM puts a plain function there: None)
-    return getattr(chunk_scaled_dot_kkt.chunk_scaled_dot_kkt_fwd_kernel, "fn", None)
-
-
-def race_free_gdn_kkt() -> bool:
-    """Keep vLLM's ``chunk_scaled_dot_kkt_fwd`` kernel to its BK=128 autotune configs. Idempotent; False
-    when this vLLM's kernel has no such config or no autotuner (then nothing changes)."""
-    tuner = _kkt_tuner()
-    if tuner is None:
-        return False
-    first = getattr(tuner, ORIGINAL_CONFIGS, None) is None
-    applied = keep_autotune_configs(tuner, lambda c: c.kwargs.get("BK") == 128)
-    if applied and first:
-        logger.info("qwen36_pcp: vLLM's GDN kernel chunk_scaled_dot_kkt_fwd kept to its race-free autotune "
-                    "configs (BK=128; %s=0 turns this off)", DETERMINISTIC_GDN_ENV)
+def pin_gdn_configs(pins=PINS) -> list[str]:
+    """Keep each pin's kernel to its kept configs. Idempotent; returns the kernels kept (a kernel this
+    vLLM has without an autotuner is left as it is; one without such a config too, with a warning)."""
+    applied = []
+    for pin in pins:
+        tuner = pin.tuner()
+        first = tuner is not None and getattr(tuner, ORIGINAL_CONFIGS, None) is None
+        if tuner is not None and keep_autotune_configs(tuner, pin.keep):
+            applied.append(pin.kernel)
+            if first:
+                logger.info("qwen36_pcp: vLLM's GDN kernel %s kept to its %s autotune configs (%s; %s=0 "
+                            "turns this off)", pin.kernel, pin.kept, pin.why, DETERMINISTIC_GDN_ENV)
+        elif tuner is not None:
+            logger.warning("qwen36_pcp: vLLM's GDN kernel %s has no %s autotune config: left as it is, "
+                           "its output may depend on its autotuner's pick", pin.kernel, pin.kept)
     return applied
 
 
-def restore_gdn_kkt() -> None:
-    """Give the kernel's autotuner all its configs back."""
-    tuner = _kkt_tuner()
-    if tuner is not None:
-        restore_autotune_configs(tuner)
+def restore_gdn_configs(pins=PINS) -> None:
+    """Give each pin's kernel's autotuner all its configs back."""
+    for pin in pins:
+        tuner = pin.tuner()
+        if tuner is not None:
+            restore_autotune_configs(tuner)
 
 
 def keep_autotune_configs(tuner, keep) -> bool:

@@ -13,8 +13,8 @@ after what it fixes:
 * the first token's detokenization (one): ``prompt_tail``.
 
 Besides these, ``install`` adds our model's config check to vLLM's ``MODELS_CONFIG_MAP`` (a registry
-vLLM reads by architecture) and, with ``QWEN36_PCP_DETERMINISTIC_GDN=1``, keeps a GDN kernel to its
-race-free configs (``deterministic_gdn``). Each wrapper calls vLLM's code unchanged unless our model
+vLLM reads by architecture) and, with ``QWEN36_PCP_DETERMINISTIC_GDN=1``, keeps three GDN kernels to
+configs that give one output (``deterministic_gdn``). Each wrapper calls vLLM's code unchanged unless our model
 runs at pcp > 1. ``install`` checks every target's signature first (a changed vLLM fails at startup
 with one message naming the hook), is idempotent, and ``uninstall`` puts vLLM's originals back.
 """
@@ -231,8 +231,8 @@ def install() -> None:
     for architecture in ARCHITECTURES:
         if model_configs.MODELS_CONFIG_MAP.get(architecture) is None:
             model_configs.MODELS_CONFIG_MAP[architecture] = _config_check_class()
-    if deterministic_gdn.race_free_gdn_kkt_wanted(pcp=False):
-        deterministic_gdn.race_free_gdn_kkt()
+    if deterministic_gdn.pin_gdn_configs_wanted(pcp=False):
+        deterministic_gdn.pin_gdn_configs()
     _installed = True
 
 
@@ -243,6 +243,6 @@ def uninstall() -> None:
         patch.uninstall()
     for architecture in ARCHITECTURES:
         model_configs.MODELS_CONFIG_MAP.pop(architecture, None)
-    deterministic_gdn.restore_gdn_kkt()
+    deterministic_gdn.restore_gdn_configs()
     _pcp_front_ends.clear()
     _installed = False

@@ -14,7 +14,7 @@ import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
 from vllm.v1.worker.gpu_worker import Worker
 
 from .config import uses_pcp
-from .deterministic_gdn import race_free_gdn_kkt, race_free_gdn_kkt_wanted
+from .deterministic_gdn import pin_gdn_configs, pin_gdn_configs_wanted
 from .runner import PCPModelRunner
 
 
@@ -38,8 +38,8 @@ class PCPWorker(Worker):
     def init_device(self):
         if not uses_pcp(self.vllm_config):
             return super().init_device()
-        if race_free_gdn_kkt_wanted(pcp=True):
-            race_free_gdn_kkt()
+        if pin_gdn_configs_wanted(pcp=True):
+            pin_gdn_configs()
         with model_runner_class(PCPModelRunner):
             super().init_device()
         if not isinstance(self.model_runner, PCPModelRunner):

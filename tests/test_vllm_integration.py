@@ -406,31 +406,24 @@ def test_per_token_metadata_features_are_named():
     assert "LoRA" in per_token_metadata_problems(cfg(lora=object()))[0]
 
 
-# ------------------------------------------------------- vLLM 0.20.2's GDN kernel race (workaround)
+# ------------------------------------------------- vLLM 0.20.2's GDN kernels kept to one output's configs
 @pytest.mark.parametrize("env", [None, "0", "1"])
-def test_gdn_kkt_race_workaround_wanted(monkeypatch, env):
-    from qwen36_pcp.deterministic_gdn import DETERMINISTIC_GDN_ENV, race_free_gdn_kkt_wanted
+def test_gdn_config_pins_wanted(monkeypatch, env):
+    from qwen36_pcp.deterministic_gdn import DETERMINISTIC_GDN_ENV, pin_gdn_configs_wanted
 
     if env is None:
         monkeypatch.delenv(DETERMINISTIC_GDN_ENV, raising=False)
     else:
         monkeypatch.setenv(DETERMINISTIC_GDN_ENV, env)
     # default: only where PCP runs (the runner hook asks with pcp=True for our model at pcp > 1)
-    assert race_free_gdn_kkt_wanted(pcp=True) == (env != "0")
-    assert race_free_gdn_kkt_wanted(pcp=False) == (env == "1")
+    assert pin_gdn_configs_wanted(pcp=True) == (env != "0")
+    assert pin_gdn_configs_wanted(pcp=False) == (env == "1")
 
 
-def test_gdn_kkt_race_workaround_keeps_single_k_block_configs(monkeypatch):
-    """On a real Triton autotuner with vLLM 0.20.2's config grid for chunk_scaled_dot_kkt_fwd."""
+def test_keep_autotune_configs_on_a_real_autotuner():
     import triton
-    from vllm.model_executor.layers.fla.ops import chunk_scaled_dot_kkt
 
-    from qwen36_pcp.deterministic_gdn import (
-        ORIGINAL_CONFIGS,
-        keep_autotune_configs,
-        race_free_gdn_kkt,
-        restore_gdn_kkt,
-    )
+    from qwen36_pcp.deterministic_gdn import ORIGINAL_CONFIGS, keep_autotune_configs
 
     def kernel(K):
         pass
@@ -446,14 +439,55 @@ def test_gdn_kkt_race_workaround_keeps_single_k_block_configs(monkeypatch):
     other = triton.autotune(configs=grid[:3], key=["K"])(triton.jit(kernel))
     assert not keep_autotune_configs(other, lambda c: c.kwargs["BK"] == 128)  # nothing left: untouched
     assert len(other.configs) == 3
-    assert race_free_gdn_kkt() is False  # no GPU: vLLM has a plain function there; nothing changes
-    # where vLLM has the autotuned kernel (@heuristics around @autotune): applied, once
-    vllm_kernel = SimpleNamespace(fn=triton.autotune(configs=grid, key=["K"])(triton.jit(kernel)))
-    monkeypatch.setattr(chunk_scaled_dot_kkt, "chunk_scaled_dot_kkt_fwd_kernel", vllm_kernel)
-    assert race_free_gdn_kkt() and race_free_gdn_kkt()
-    assert [c.kwargs["BK"] for c in vllm_kernel.fn.configs] == [128] * 9
-    restore_gdn_kkt()  # reversible: all 27 back
-    assert len(vllm_kernel.fn.configs) == 27 and not hasattr(vllm_kernel.fn, ORIGINAL_CONFIGS)
+
+
+def _vllm_config_grids():
+    """vLLM 0.20.2's autotune config grids of the three pinned GDN kernels (its ``fla/ops`` files)."""
+    import triton
+
+    return {
+        "chunk_scaled_dot_kkt_fwd_kernel": [triton.Config({"BK": bk}, num_warps=w, num_stages=s)
+                                            for bk in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)],
+        "chunk_fwd_kernel_o": [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+                               for bk in (64, 128) for bv in (64, 128) for w in (2, 4) for s in (2, 3, 4)],
+        "merge_16x16_to_64x64_inverse_kernel": [triton.Config({}, num_warps=w, num_stages=s)
+                                                for w in (2, 4, 8) for s in (2, 3, 4, 5)],
+    }
+
+
+def test_gdn_kernels_kept_to_one_outputs_configs(monkeypatch):
+    """The three pins on real Triton autotuners with vLLM 0.20.2's config grids, in vLLM's modules:
+    each kept to the configs that gave one output in the sweeps (``tests/gpu/gdn_kernel_race.py``),
+    once, and given all back."""
+    import importlib
+
+    import triton
+
+    from qwen36_pcp.deterministic_gdn import ORIGINAL_CONFIGS, PINS, pin_gdn_configs, restore_gdn_configs
+
+    assert pin_gdn_configs() == []  # no GPU: vLLM has plain functions there; nothing changes
+
+    def kernel(K):
+        pass
+
+    grids = _vllm_config_grids()
+    assert sorted(grids) == sorted(p.kernel for p in PINS)
+    tuners = {}
+    for pin in PINS:
+        mod = importlib.import_module(f"vllm.model_executor.layers.fla.ops.{pin.module}")
+        tuner = triton.autotune(configs=grids[pin.kernel], key=["K"])(triton.jit(kernel))
+        # vLLM's three sit under @heuristics (``.fn``); a bare autotuner is found too
+        wrapped = tuner if pin.kernel == "chunk_fwd_kernel_o" else SimpleNamespace(fn=tuner)
+        monkeypatch.setattr(mod, pin.kernel, wrapped)
+        tuners[pin.kernel] = tuner
+    assert sorted(pin_gdn_configs()) == sorted(grids) and sorted(pin_gdn_configs()) == sorted(grids)
+    kept = {name: t.configs for name, t in tuners.items()}
+    assert [c.kwargs["BK"] for c in kept["chunk_scaled_dot_kkt_fwd_kernel"]] == [128] * 9
+    assert [c.kwargs["BK"] for c in kept["chunk_fwd_kernel_o"]] == [128] * 12
+    assert [c.num_warps for c in kept["merge_16x16_to_64x64_inverse_kernel"]] == [2] * 4
+    restore_gdn_configs()  # reversible: every config back
+    for name, tuner in tuners.items():
+        assert tuner.configs == grids[name] and not hasattr(tuner, ORIGINAL_CONFIGS)
 
 
 def test_default_ray_executor_is_refused_at_pcp(monkeypatch):

@@ -1,14 +1,15 @@
 """GPU diagnostics, one entry point (one GPU is enough for each):
 
     python -m tests.gpu.diagnose dump ENGINE LAYOUT STEP:LO:HI[,...]   # where a layout departs from pcp=1
-    python -m tests.gpu.diagnose kkt-race [--sweep-configs | --config-sensitivity] [--lengths ...] [--runs N] [--shape tiny|35b]
+    python -m tests.gpu.diagnose kkt-race [--sweep-configs | --config-sensitivity | --pin-cost] [--lengths ...] [--runs N] [--shape tiny|35b]
     python -m tests.gpu.diagnose warm                                  # build and autotune the PCP kernels
 
 ``dump``: the first batch of one of ``test_pcp_e2e``'s engines (``defaults`` or ``chunked``) on pcp=1 and
 on LAYOUT (shared GPU), every module's input and output for the listed steps and rows saved
 (``layer_dump``) and lined up: the first module where the layout's rows differ from pcp=1's.
 ``kkt-race``: whether vLLM's GDN prefill kernels repeat themselves, and per autotune config of
-``chunk_scaled_dot_kkt_fwd`` (the race ``qwen36_pcp.deterministic_gdn.race_free_gdn_kkt`` avoids).
+``chunk_scaled_dot_kkt_fwd`` (the race ``qwen36_pcp.deterministic_gdn`` avoids); which kernels' output
+follows their config, and what keeping them to one output's configs costs (``--pin-cost``).
 ``warm``: the Triton kernels pcp > 1 and tp = 2 engines add to pcp=1's, for a warm Triton cache.
 """
 

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = {"architectures": ["Qwen3_6ForCausalLM"]}
 # vLLM 0.20.2's GDN kernel chunk_scaled_dot_kkt_fwd races under some autotune configs, so vLLM did
-# not repeat its own answers past ~2k tokens (qwen36_pcp.deterministic_gdn.race_free_gdn_kkt). Every
+# not repeat its own answers past ~2k tokens (qwen36_pcp.deterministic_gdn.pin_gdn_configs). Every
 # engine and server here, pcp=1, tp=2 and vLLM's own model included, runs without the race, so a
 # comparison measures the two setups and not the race. QWEN36_PCP_DETERMINISTIC_GDN=0 in the
 # environment overrides this (to see vLLM as it is).

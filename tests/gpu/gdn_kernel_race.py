@@ -12,9 +12,12 @@ kernel of the GDN prefill path in turn to each of its configs and runs the whole
 ``chunk_gated_delta_rule`` (q/k L2-normalised in the kernel, as vLLM's GDN layer calls it): the
 kernels whose choice of config alone changes the output, which an autotuner picking by speed turns
 into answers that differ between cold starts, and for each which configs give which output (the
-configs to keep for one answer).
+configs to keep for one answer) and the whole call's time under the fastest of them and of its BK=128
+configs (what keeping those costs).
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
-configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.deterministic_gdn.race_free_gdn_kkt`` keeps those.
+configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.deterministic_gdn.pin_gdn_configs`` keeps those, and
+keeps the two kernels ``--config-sensitivity`` found (``chunk_fwd_kernel_o``, ``solve_tril``'s 64x64
+merge) to one output's configs; ``--pin-cost`` times what that costs.
 """
 
 import contextlib
@@ -177,30 +180,26 @@ def config_sensitivity(args) -> int:
     runs, so that its races do not pass for another kernel's sensitivity): how many distinct repeatable
     outputs its configs give, and how far apart. 1 when any kernel's config changes the output."""
     from triton.runtime.errors import OutOfResources, PTXASError
-    from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
+    from triton.testing import do_bench
 
-    from qwen36_pcp.deterministic_gdn import race_free_gdn_kkt, restore_gdn_kkt
+    from qwen36_pcp.deterministic_gdn import PINS, pin_gdn_configs, restore_gdn_configs
 
     hk, hv, d = SHAPES[args.shape]
     sensitive = []
-    race_free_gdn_kkt()
+    kkt = [p for p in PINS if p.kernel == "chunk_scaled_dot_kkt_fwd_kernel"]
+    pin_gdn_configs(kkt)
     try:
         for T in args.lengths:
-            x = _inputs(T, hk, hv, d)
-            meta = dict(cu_seqlens=x["cu_seqlens"], chunk_indices=x["chunk_indices"],
-                        chunk_offsets=x["chunk_offsets"])
-
-            def run():
-                o, h = chunk_gated_delta_rule(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"],
-                                              initial_state=x["h0"].clone(), output_final_state=True,
-                                              use_qk_l2norm_in_kernel=True, **meta)
-                return torch.cat([o.float().flatten(), h.float().flatten()])
-
+            run = _whole_call(_inputs(T, hk, hv, d))
             base = run().clone()
+            base_ms = do_bench(run, warmup=5, rep=25)
+            print(f"{args.shape} T={T:6d} chunk_gated_delta_rule, every kernel autotuned: {base_ms:.4f} ms",
+                  flush=True)
             # kernels this call launched: their autotuners hold a choice (others, e.g. variants for
             # another normalisation or chunk size, would look insensitive without running)
             for name, tuner in (t for t in _tuners() if t[1].cache):
                 outs, members, repeat_fail, failed = [], [], 0, 0  # distinct outputs, their configs
+                ms = {}  # config -> the whole call's time with this kernel pinned to it
                 with _pinned(tuner) as (configs, pin):
                     for cfg in configs:
                         pin(cfg)
@@ -213,24 +212,96 @@ def config_sensitivity(args) -> int:
                             repeat_fail += 1  # a race of its own, not a choice of config
                             continue
                         _add_to_class(outs, members, a, cfg)
+                        ms[id(cfg)] = do_bench(run, warmup=5, rep=25)
                 spread = max(((u - base).abs().max().item() for u in outs), default=0.0)
                 print(f"{args.shape} T={T:6d} {name:55s}: {len(configs)} configs, {len(outs)} distinct repeatable "
                       f"outputs, max |diff| vs autotuned {spread:.3g}, not repeatable under {repeat_fail}, "
                       f"failed {failed}", flush=True)
                 if len(outs) > 1:
                     sensitive.append(name)
-                    for u, cfgs in zip(outs, members):  # which configs to keep for one answer
+                    for u, cfgs in zip(outs, members):  # which configs to keep for one answer, at what cost
                         same = "the autotuned output" if _same_bits(u, base) else "another output"
                         print(f"    {same}: {'; '.join(map(str, cfgs))}", flush=True)
+                        print(f"      {_fastest(cfgs, ms)}", flush=True)
+                    bk128 = [c for c in configs if c.kwargs.get("BK") == 128 and id(c) in ms]
+                    if bk128:
+                        print(f"    the BK=128 configs: {_fastest(bk128, ms)}", flush=True)
     finally:
-        restore_gdn_kkt()
+        restore_gdn_configs(kkt)
     print(f"kernels whose config changes the output: {sorted(set(sensitive))}", flush=True)
     return 1 if sensitive else 0
+
+
+def _whole_call(x):
+    """vLLM's chunk_gated_delta_rule as its GDN layer calls it (q/k L2-normalised in the kernel), its
+    output and final state as one flat tensor."""
+    from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
+
+    def run():
+        o, h = chunk_gated_delta_rule(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"],
+                                      initial_state=x["h0"].clone(), output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"],
+                                      chunk_indices=x["chunk_indices"], chunk_offsets=x["chunk_offsets"])
+        return torch.cat([o.float().flatten(), h.float().flatten()])
+    return run
+
+
+def pin_cost(args) -> int:
+    """What each of ``qwen36_pcp.deterministic_gdn.PINS`` costs: the whole chunk_gated_delta_rule timed
+    with the pinned kernel autotuned at the prompt's own length among all its configs, among the kept
+    ones and among the others (every other kernel autotuned at that length first, as a process whose
+    first prefill had it would). The kept configs' outputs are checked to be one."""
+    from triton.testing import do_bench
+
+    from qwen36_pcp.deterministic_gdn import ORIGINAL_CONFIGS, PINS, pin_gdn_configs, restore_gdn_configs
+
+    hk, hv, d = SHAPES[args.shape]
+    tuners = dict(_tuners())
+    kkt = [p for p in PINS if p.kernel == "chunk_scaled_dot_kkt_fwd_kernel"]
+    pin_gdn_configs(kkt)  # race-free while the other pins' outputs are compared
+    try:
+        for T in args.lengths:
+            run = _whole_call(_inputs(T, hk, hv, d))
+            for tuner in tuners.values():
+                tuner.cache.clear()
+            run()  # every kernel autotuned at T
+            for pin in sorted(PINS, key=lambda p: p in kkt):  # the kkt kernel's cost last
+                tuner = pin.tuner()
+                line, outs = [], []
+                with _pinned(tuner) as (current, _):
+                    configs = getattr(tuner, ORIGINAL_CONFIGS, current)
+                    for label, subset in (("all", configs), ("kept", [c for c in configs if pin.keep(c)]),
+                                          ("others", [c for c in configs if not pin.keep(c)])):
+                        if not subset:
+                            continue
+                        tuner.configs, tuner.cache = subset, {}
+                        out = run().clone()  # autotuned at T among ``subset``
+                        if label == "kept":
+                            outs, members = [out], [[]]
+                            for cfg in subset:  # the kept configs give one output
+                                tuner.configs, tuner.cache = [cfg], {}
+                                _add_to_class(outs, members, run().clone(), cfg)
+                            tuner.configs, tuner.cache = subset, {}
+                            run()
+                        ms = do_bench(run, warmup=25, rep=200)
+                        line.append(f"{label} {ms:.4f} ms ({next(iter(tuner.cache.values()))})")
+                print(f"{args.shape} T={T:6d} {pin.kernel:40s} kept {pin.kept}: {len(outs)} output(s) under "
+                      f"the kept configs; the whole call, autotuned among " + "; ".join(line), flush=True)
+    finally:
+        restore_gdn_configs(kkt)
+    return 0
+
+
+def _fastest(cfgs: list, ms: dict) -> str:
+    best = min(cfgs, key=lambda c: ms[id(c)])
+    return f"fastest {ms[id(best)]:.4f} ms ({best})"
 
 
 def main(args) -> int:
     if args.config_sensitivity:
         return config_sensitivity(args)
+    if args.pin_cost:
+        return pin_cost(args)
     if args.sweep_configs:
         return sweep_kkt_configs(args)
     hk, hv, d = SHAPES[args.shape]
@@ -255,4 +326,6 @@ def add_arguments(parser) -> None:
                       help="chunk_scaled_dot_kkt_fwd under each autotune config (longest length)")
     mode.add_argument("--config-sensitivity", action="store_true",
                       help="which autotuned GDN prefill kernels change the output with their config")
+    mode.add_argument("--pin-cost", action="store_true",
+                      help="the whole GDN prefill's time with each pinned kernel's kept configs against all")
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))

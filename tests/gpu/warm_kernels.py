@@ -5,7 +5,7 @@ A pcp=2 engine autotunes vLLM's GDN chunk kernels at the augmented value width V
 profile run (``VllmGDNKernels.warm_scan``, called here on each shape); on a fresh machine
 that made its start ~250 s instead of 39 s (two ranks). A tp=2 engine runs the plain kernels
 at half the GDN heads. Shapes: the tiny checkpoint (GPU tests) and Qwen3.6-35B-A3B (benchmarks), with
-the race-free kkt configs every engine of the checks uses.
+the GDN configs every engine of the checks keeps to (``qwen36_pcp.deterministic_gdn``).
 
     TRITON_CACHE_AUTOTUNING=1 python -m tests.gpu.diagnose warm
 """
@@ -53,9 +53,9 @@ def warm_plain(s: dict, tp: int = 2) -> None:
 
 
 def main() -> None:
-    from qwen36_pcp.deterministic_gdn import race_free_gdn_kkt
+    from qwen36_pcp.deterministic_gdn import pin_gdn_configs
 
-    race_free_gdn_kkt()  # the kkt configs every engine of the checks autotunes among
+    pin_gdn_configs()  # the GDN configs every engine of the checks autotunes among
     # the pcp=2 kernels of every shape first: they cost a pcp=2 engine's start the most
     for what, fn in (("pcp=2 augmented scan", warm_augmented), ("tp=2 plain scan", warm_plain)):
         for preset in SHAPES:
