@@ -619,12 +619,12 @@ def report(out: str) -> dict:
                 if have:
                     ax.plot([r["batch"] for r in have], [r[key] for r in have], style, color=color, marker="o",
                             label=f"{name}, {context // 1024}k context")
-            for i, n in enumerate(ns):  # both taking turns alike (``control_lines``)
-                for key, name, marker in ((f"control{n}_turn_ms", f"replicated pcp={n} turn", "s"),
-                                          (f"spread{n}_turn_ms", f"spread pcp={n} turn", "^")):
+            for i, n in enumerate(ns):  # both taking turns alike (``control_lines``), faint, in their kind's colour
+                for key, name, marker, color in ((f"control{n}_turn_ms", f"replicated pcp={n} turn", "s", "C0"),
+                                                 (f"spread{n}_turn_ms", f"spread pcp={n} turn", "^", f"C{i + 1}")):
                     have = [r for r in pts if key in r and f"control{n}_turn_ms" in r]
                     if have:
-                        ax.plot([r["batch"] for r in have], [r[key] for r in have], ":", color=f"C{i + 1}",
+                        ax.plot([r["batch"] for r in have], [r[key] for r in have], style, color=color, alpha=0.45,
                                 marker=marker, label=f"{name}, {context // 1024}k context")
         dropped = replicated_fit["dropped"] if replicated_fit else None
         if dropped:
