@@ -10,9 +10,10 @@ JSON + PNG. The current defaults against pcp=1 and tp=2 on a 2-GPU machine, in o
     python benchmarks/bench_ttft.py --out /tmp/bench_ttft --tokens 32768 131072 --configs pcp1 tp2 pcp2
 
 Every config runs the same GDN kernel configs: ``--kkt-configs race_free`` (default) keeps vLLM's
-``chunk_scaled_dot_kkt_fwd`` to its race-free autotune configs in every engine, as PCP does
-(qwen36_pcp.deterministic_gdn.pin_gdn_configs, with two more GDN kernels kept to one output's configs); ``all`` lets the autotuner pick from all of them, as
-vLLM does (at pcp=2 too). Run both on pcp1 to see what the workaround costs.
+``chunk_scaled_dot_kkt_fwd`` to its race-free autotune configs and two more GDN kernels to one
+output's configs in every engine, as PCP does (``qwen36_pcp.deterministic_gdn.pin_gdn_configs``);
+``all`` lets the autotuners pick from all of them, as vLLM does (at pcp=2 too). Run both on pcp1 to
+see what the pins cost.
 """
 
 from __future__ import annotations

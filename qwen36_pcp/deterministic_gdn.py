@@ -5,8 +5,8 @@ vLLM 0.20.2's GDN prefill (``chunk_gated_delta_rule``, Triton 3.6) autotunes its
 on head counts and sizes but not on the token count: a process picks each kernel's config at its first
 prefill (vLLM's profile run, of a length that differs between pcp=1 and a PCP rank) and keeps it. Three
 kernels' outputs depend on that pick (``python -m tests.gpu.diagnose kkt-race --config-sensitivity``,
-each kernel pinned to each of its configs in turn, 300 to 131072 tokens, the tiny and the 35B shapes,
-H200):
+each kernel pinned to each of its configs in turn while the others run their own picks, 300 to 131072
+tokens, the tiny and the 35B shapes with 128-wide values, one H200):
 
 * ``chunk_scaled_dot_kkt_fwd`` (beta * K K^T per 64-token chunk) gives different results for identical
   inputs under 9 to 11 of its 27 configs, all looping over K in blocks of 32 or 64 (up to 10 distinct
@@ -16,14 +16,16 @@ H200):
 * ``chunk_fwd_o`` (the output of each chunk) is repeatable under each config, but its BK=64 configs
   with 2 warps give another output than the rest (up to 2.4e-4 apart at 128k tokens); its BK=128
   configs give one.
-* ``solve_tril``'s 64x64 merge: its 2-warp configs give another output than its 4- and 8-warp ones from
-  32k tokens on (up to 1.5e-5); below, one output. Kept to the 2-warp ones, which were also the
-  fastest there (the whole call 3.14 against 3.48 ms at 32k tokens, 12.60 against 13.93 ms at 128k).
+* ``solve_tril``'s 64x64 merge: its 2-warp configs give another output than its 4- and 8-warp ones at
+  32k and 128k tokens (up to 1.5e-5); at 300 and 4096, one output. Kept to the 2-warp ones, which
+  were also the fastest there (one timing each).
 
-With those kept, one prompt's GDN prefill gives the same bits in every process whichever configs the
-autotuners pick: a PCP rank's and pcp=1's, an engine started cold and one started warm. What it costs:
-``docs/design.md`` (Determinism); ``--pin-cost`` times each kernel autotuned at the prompt's length
-among all its configs against among the kept ones.
+With those kept, each of the three gave one output under every kept config at the lengths and shapes
+swept, so a PCP rank's and pcp=1's picks, or a cold and a warm engine's, no longer part them there;
+not yet checked with all three kept at once, nor at state passing's 256-wide augmented values. On GPUs
+with less shared memory than Hopper's vLLM's ``chunk_o`` has no BK=128 config: it is left as it is,
+with a warning. What it costs: ``docs/design.md`` (Determinism); ``--pin-cost`` times each kernel
+autotuned at the prompt's length among all its configs against among the kept ones.
 
 On by default where PCP runs (the PCP worker applies it); ``QWEN36_PCP_DETERMINISTIC_GDN=1`` applies it
 in every vLLM process (pcp == 1 and vLLM's own models included: for exact comparisons), ``=0`` nowhere.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,15 +57,16 @@ class ConfigPin:
     kept: str
     why: str
 
-    def tuner(self):
+    def tuner(self, load: bool = True):
         """The kernel's Triton autotuner: under ``@heuristics`` (``.fn``) or bare; None where this vLLM
-        has no autotuner there (without a GPU vLLM puts plain functions in place of its kernels)."""
-        from triton.runtime.autotuner import Autotuner
-
-        mod = importlib.import_module(f"vllm.model_executor.layers.fla.ops.{self.module}")
+        has no autotuner there (without a GPU vLLM puts plain functions in place of its kernels), or
+        without ``load`` where its module is not imported yet (importing vLLM's fla ops reads the GPU's
+        name: a front end restoring nothing should not)."""
+        name = f"vllm.model_executor.layers.fla.ops.{self.module}"
+        mod = importlib.import_module(name) if load else sys.modules.get(name)
         obj = getattr(mod, self.kernel, None)
         for tuner in (obj, getattr(obj, "fn", None)):
-            if isinstance(tuner, Autotuner):
+            if hasattr(tuner, "configs") and hasattr(tuner, "cache"):  # triton's Autotuner
                 return tuner
         return None
 
@@ -79,6 +83,9 @@ PINS = (
     ConfigPin("solve_tril", "merge_16x16_to_64x64_inverse_kernel", lambda c: c.num_warps == 2,
               "2-warp", "its 4- and 8-warp configs give another output"),
 )
+
+
+_warned: set[str] = set()  # kernels left as they are, said once per process
 
 
 def pin_gdn_configs_wanted(pcp: bool) -> bool:
@@ -99,7 +106,8 @@ def pin_gdn_configs(pins=PINS) -> list[str]:
             if first:
                 logger.info("qwen36_pcp: vLLM's GDN kernel %s kept to its %s autotune configs (%s; %s=0 "
                             "turns this off)", pin.kernel, pin.kept, pin.why, DETERMINISTIC_GDN_ENV)
-        elif tuner is not None:
+        elif tuner is not None and pin.kernel not in _warned:
+            _warned.add(pin.kernel)
             logger.warning("qwen36_pcp: vLLM's GDN kernel %s has no %s autotune config: left as it is, "
                            "its output may depend on its autotuner's pick", pin.kernel, pin.kept)
     return applied
@@ -108,7 +116,7 @@ def pin_gdn_configs(pins=PINS) -> list[str]:
 def restore_gdn_configs(pins=PINS) -> None:
     """Give each pin's kernel's autotuner all its configs back."""
     for pin in pins:
-        tuner = pin.tuner()
+        tuner = pin.tuner(load=False)
         if tuner is not None:
             restore_autotune_configs(tuner)
 

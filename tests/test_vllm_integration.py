@@ -441,37 +441,33 @@ def test_keep_autotune_configs_on_a_real_autotuner():
     assert len(other.configs) == 3
 
 
-def _vllm_config_grids():
-    """vLLM 0.20.2's autotune config grids of the three pinned GDN kernels (its ``fla/ops`` files)."""
+def _vllm_config_grids(hopper: bool = True):
+    """vLLM 0.20.2's autotune config grids of the three pinned GDN kernels (its ``fla/ops`` files) on
+    Hopper, or on a GPU with less shared memory (``chunk_o.py``: BK, BV in 32, 64; 2, 4 or 8 warps)."""
     import triton
 
+    bkv, warps = ((64, 128), (2, 4)) if hopper else ((32, 64), (2, 4, 8))
     return {
         "chunk_scaled_dot_kkt_fwd_kernel": [triton.Config({"BK": bk}, num_warps=w, num_stages=s)
                                             for bk in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)],
         "chunk_fwd_kernel_o": [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
-                               for bk in (64, 128) for bv in (64, 128) for w in (2, 4) for s in (2, 3, 4)],
+                               for bk in bkv for bv in bkv for w in warps for s in (2, 3, 4)],
         "merge_16x16_to_64x64_inverse_kernel": [triton.Config({}, num_warps=w, num_stages=s)
                                                 for w in (2, 4, 8) for s in (2, 3, 4, 5)],
     }
 
 
-def test_gdn_kernels_kept_to_one_outputs_configs(monkeypatch):
-    """The three pins on real Triton autotuners with vLLM 0.20.2's config grids, in vLLM's modules:
-    each kept to the configs that gave one output in the sweeps (``tests/gpu/gdn_kernel_race.py``),
-    once, and given all back."""
+def _stand_in_gdn_kernels(monkeypatch, grids: dict) -> dict:
+    """Real Triton autotuners over ``grids`` in place of vLLM's three pinned kernels, in its modules."""
     import importlib
 
     import triton
 
-    from qwen36_pcp.deterministic_gdn import ORIGINAL_CONFIGS, PINS, pin_gdn_configs, restore_gdn_configs
-
-    assert pin_gdn_configs() == []  # no GPU: vLLM has plain functions there; nothing changes
+    from qwen36_pcp.deterministic_gdn import PINS
 
     def kernel(K):
         pass
 
-    grids = _vllm_config_grids()
-    assert sorted(grids) == sorted(p.kernel for p in PINS)
     tuners = {}
     for pin in PINS:
         mod = importlib.import_module(f"vllm.model_executor.layers.fla.ops.{pin.module}")
@@ -480,6 +476,22 @@ def test_gdn_kernels_kept_to_one_outputs_configs(monkeypatch):
         wrapped = tuner if pin.kernel == "chunk_fwd_kernel_o" else SimpleNamespace(fn=tuner)
         monkeypatch.setattr(mod, pin.kernel, wrapped)
         tuners[pin.kernel] = tuner
+    return tuners
+
+
+def test_gdn_kernels_kept_to_one_outputs_configs(monkeypatch):
+    """The three pins on real Triton autotuners with vLLM 0.20.2's config grids, in vLLM's modules:
+    each kept to the configs that gave one output in the sweeps (``tests/gpu/gdn_kernel_race.py``),
+    once, and given all back."""
+    import torch
+
+    from qwen36_pcp.deterministic_gdn import ORIGINAL_CONFIGS, PINS, pin_gdn_configs, restore_gdn_configs
+
+    if not torch.cuda.is_available():
+        assert pin_gdn_configs() == []  # vLLM has plain functions there; nothing changes
+    grids = _vllm_config_grids()
+    assert sorted(grids) == sorted(p.kernel for p in PINS)
+    tuners = _stand_in_gdn_kernels(monkeypatch, grids)
     assert sorted(pin_gdn_configs()) == sorted(grids) and sorted(pin_gdn_configs()) == sorted(grids)
     kept = {name: t.configs for name, t in tuners.items()}
     assert [c.kwargs["BK"] for c in kept["chunk_scaled_dot_kkt_fwd_kernel"]] == [128] * 9
@@ -488,6 +500,26 @@ def test_gdn_kernels_kept_to_one_outputs_configs(monkeypatch):
     restore_gdn_configs()  # reversible: every config back
     for name, tuner in tuners.items():
         assert tuner.configs == grids[name] and not hasattr(tuner, ORIGINAL_CONFIGS)
+
+
+def test_chunk_o_without_a_bk128_config_is_left_as_it_is(monkeypatch, caplog):
+    """Where vLLM's ``chunk_o`` has no BK=128 config (GPUs with less shared memory than Hopper's), it
+    is left unpinned with one warning, and the other two are kept as on Hopper."""
+    from qwen36_pcp import deterministic_gdn
+    from qwen36_pcp.deterministic_gdn import pin_gdn_configs, restore_gdn_configs
+
+    monkeypatch.setattr(deterministic_gdn, "_warned", set())  # said once per process: this one's own
+    grids = _vllm_config_grids(hopper=False)
+    tuners = _stand_in_gdn_kernels(monkeypatch, grids)
+    with caplog.at_level("WARNING", logger="vllm.qwen36_pcp"):
+        applied = pin_gdn_configs() + pin_gdn_configs()
+    try:
+        assert sorted(set(applied)) == ["chunk_scaled_dot_kkt_fwd_kernel", "merge_16x16_to_64x64_inverse_kernel"]
+        assert tuners["chunk_fwd_kernel_o"].configs == grids["chunk_fwd_kernel_o"]  # untouched
+        warned = [r.getMessage() for r in caplog.records if "chunk_fwd_kernel_o" in r.getMessage()]
+        assert len(warned) == 1 and "no BK=128" in warned[0], warned
+    finally:
+        restore_gdn_configs()
 
 
 def test_default_ray_executor_is_refused_at_pcp(monkeypatch):

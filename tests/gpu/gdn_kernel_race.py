@@ -15,8 +15,8 @@ into answers that differ between cold starts, and for each which configs give wh
 configs to keep for one answer) and the whole call's time under the fastest of them and of its BK=128
 configs (what keeping those costs).
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
-configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact. ``qwen36_pcp.deterministic_gdn.pin_gdn_configs`` keeps those, and
-keeps the two kernels ``--config-sensitivity`` found (``chunk_fwd_kernel_o``, ``solve_tril``'s 64x64
+configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact.
+``qwen36_pcp.deterministic_gdn.pin_gdn_configs`` keeps those, and keeps the two kernels ``--config-sensitivity`` found (``chunk_fwd_kernel_o``, ``solve_tril``'s 64x64
 merge) to one output's configs; ``--pin-cost`` times what that costs.
 """
 
@@ -180,7 +180,6 @@ def config_sensitivity(args) -> int:
     runs, so that its races do not pass for another kernel's sensitivity): how many distinct repeatable
     outputs its configs give, and how far apart. 1 when any kernel's config changes the output."""
     from triton.runtime.errors import OutOfResources, PTXASError
-    from triton.testing import do_bench
 
     from qwen36_pcp.deterministic_gdn import PINS, pin_gdn_configs, restore_gdn_configs
 
@@ -190,9 +189,9 @@ def config_sensitivity(args) -> int:
     pin_gdn_configs(kkt)
     try:
         for T in args.lengths:
-            run = _whole_call(_inputs(T, hk, hv, d))
+            call, run = _whole_call(_inputs(T, hk, hv, d))
             base = run().clone()
-            base_ms = do_bench(run, warmup=5, rep=25)
+            base_ms = _time(call)
             print(f"{args.shape} T={T:6d} chunk_gated_delta_rule, every kernel autotuned: {base_ms:.4f} ms",
                   flush=True)
             # kernels this call launched: their autotuners hold a choice (others, e.g. variants for
@@ -212,7 +211,7 @@ def config_sensitivity(args) -> int:
                             repeat_fail += 1  # a race of its own, not a choice of config
                             continue
                         _add_to_class(outs, members, a, cfg)
-                        ms[id(cfg)] = do_bench(run, warmup=5, rep=25)
+                        ms[id(cfg)] = _time(call)
                 spread = max(((u - base).abs().max().item() for u in outs), default=0.0)
                 print(f"{args.shape} T={T:6d} {name:55s}: {len(configs)} configs, {len(outs)} distinct repeatable "
                       f"outputs, max |diff| vs autotuned {spread:.3g}, not repeatable under {repeat_fail}, "
@@ -233,26 +232,35 @@ def config_sensitivity(args) -> int:
 
 
 def _whole_call(x):
-    """vLLM's chunk_gated_delta_rule as its GDN layer calls it (q/k L2-normalised in the kernel), its
-    output and final state as one flat tensor."""
+    """(call, run): vLLM's chunk_gated_delta_rule as its GDN layer calls it (q/k L2-normalised in the
+    kernel), timed as is (``call``), and its output and final state as one flat tensor (``run``)."""
     from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
 
-    def run():
-        o, h = chunk_gated_delta_rule(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"],
+    def call():
+        return chunk_gated_delta_rule(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"],
                                       initial_state=x["h0"].clone(), output_final_state=True,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"],
                                       chunk_indices=x["chunk_indices"], chunk_offsets=x["chunk_offsets"])
+
+    def run():
+        o, h = call()
         return torch.cat([o.float().flatten(), h.float().flatten()])
-    return run
+    return call, run
+
+
+def _time(call) -> float:
+    """Median ms of ``call`` over about 200 ms of runs (one sample when it was 25 ms and a call 14)."""
+    from triton.testing import do_bench
+
+    return do_bench(call, warmup=25, rep=200, return_mode="median")
 
 
 def pin_cost(args) -> int:
     """What each of ``qwen36_pcp.deterministic_gdn.PINS`` costs: the whole chunk_gated_delta_rule timed
     with the pinned kernel autotuned at the prompt's own length among all its configs, among the kept
     ones and among the others (every other kernel autotuned at that length first, as a process whose
-    first prefill had it would). The kept configs' outputs are checked to be one."""
-    from triton.testing import do_bench
-
+    first prefill had it would; Triton's on-disk cache of choices, keyed without the length, bypassed).
+    The kept configs' outputs are checked to be one."""
     from qwen36_pcp.deterministic_gdn import ORIGINAL_CONFIGS, PINS, pin_gdn_configs, restore_gdn_configs
 
     hk, hv, d = SHAPES[args.shape]
@@ -261,9 +269,10 @@ def pin_cost(args) -> int:
     pin_gdn_configs(kkt)  # race-free while the other pins' outputs are compared
     try:
         for T in args.lengths:
-            run = _whole_call(_inputs(T, hk, hv, d))
+            call, run = _whole_call(_inputs(T, hk, hv, d))
             for tuner in tuners.values():
                 tuner.cache.clear()
+                tuner.cache_results = False
             run()  # every kernel autotuned at T
             for pin in sorted(PINS, key=lambda p: p in kkt):  # the kkt kernel's cost last
                 tuner = pin.tuner()
@@ -283,9 +292,8 @@ def pin_cost(args) -> int:
                                 _add_to_class(outs, members, run().clone(), cfg)
                             tuner.configs, tuner.cache = subset, {}
                             run()
-                        ms = do_bench(run, warmup=25, rep=200)
-                        line.append(f"{label} {ms:.4f} ms ({next(iter(tuner.cache.values()))})")
-                print(f"{args.shape} T={T:6d} {pin.kernel:40s} kept {pin.kept}: {len(outs)} output(s) under "
+                        line.append(f"{label} {_time(call):.4f} ms ({tuner.best_config})")
+                print(f"{args.shape} T={T:6d} {pin.kernel:40s} kept {pin.kept}: {len(outs) or 'no'} output(s) under "
                       f"the kept configs; the whole call, autotuned among " + "; ".join(line), flush=True)
     finally:
         restore_gdn_configs(kkt)
