@@ -13,8 +13,9 @@ Where another rank could read a decoding request's state, and what happens there
   token 0 ends its ownership and records where the recompute ends, and its next owner comes at the
   first one-token step past that point (a one-token leftover of the recompute is no decode row).
   With prefix caching it resumes after its longest prefix hit instead, whose block holds the same
-  states on every rank (``state_blocks``): with more than one token left it is handed over (below; the
-  broadcast is then redundant), with one it stays with its owner;
+  states on every rank (``state_blocks``): a step of more than one of its tokens hands it over (below;
+  the broadcast is then redundant), a one-token step (its last token, or a one-token chunk a token
+  budget cut) leaves it with its owner, which computes that token from the block's state;
 - a request left out of a step keeps its states where its owner wrote them, and its owner;
 - a request with an owner that comes back with more than one new token past token 0 (its prompt grew:
   streaming input) is *handed over*: before that step its owner broadcasts its GDN states to every
@@ -49,6 +50,8 @@ class DecodeOwners:
         Array operations over the batch, with a Python loop only over the requests whose ownership
         changes (rare: a restart, a hand-over, a first decode row): it runs every step, on every rank,
         before the step is launched, and a step can hold hundreds of requests."""
+        # (an id aborted and added again between two steps keeps the old entries: its start from token 0
+        # clears them; after a prefix hit they only delay its ownership or hand over identical states)
         for table in (self.owner, self.prefill_end):
             for req_id in [r for r in table if r not in requests]:
                 del table[req_id]

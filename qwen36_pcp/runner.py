@@ -175,8 +175,14 @@ class PCPModelRunner(GPUModelRunner):
             rows = step.owned.num_rows
             kwargs.update(num_tokens=rows, num_reqs=rows, num_scheduled_tokens_np=np.ones(rows, dtype=np.int32),
                           max_num_scheduled_tokens=1, use_cascade_attn=False)
-            return super()._determine_batch_execution_and_padding(force_eager=force_eager or step.owned.eager,
-                                                                   **kwargs)
+            result = super()._determine_batch_execution_and_padding(force_eager=force_eager or step.owned.eager,
+                                                                     **kwargs)
+            if result[1].num_tokens != rows:  # the heads, slots and metadata are written for ``rows``
+                raise RuntimeError(
+                    f"qwen36_pcp: vLLM dispatched a spread decode step of {rows} rows as a batch of "
+                    f"{result[1].num_tokens} (its padding no longer matches the plan's); run with "
+                    "decode='replicated'")
+            return result
         split = step is not None and step.plan is not None
         return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager or split, **kwargs)
 

@@ -143,3 +143,16 @@ def test_owners_follow_the_rule_request_by_request():
             got, moved = owners.step(ids, *cols, {r: SimpleNamespace(num_tokens=t) for r, t in live.items()})
             assert (got.tolist(), moved.tolist()) == want, (world, step)
             assert owners.owner == owner and owners.prefill_end == prefill_end
+
+
+def test_a_resumed_requests_one_token_chunk_stays_owned_then_hands_over():
+    """Resumed after a prefix hit (not from token 0) with 14 tokens left: a one-token chunk (a token
+    budget's cut) is a decode row of its owner, which computes it from the hit block's state (the same
+    on every rank); the next, longer chunk hands it over from that owner; its decode is owned again."""
+    owners = DecodeOwners(4)
+    assert _step(owners, [("a", 50, 1, 40)]) == [0]
+    moved = []
+    assert _step(owners, [("a", 96, 1, 40, 110)], handover=moved) == [0] and moved == [-1]
+    assert _step(owners, [("a", 97, 13, 40, 110)], handover=moved) == [-1] and moved == [0]
+    assert "a" not in owners.owner
+    assert _step(owners, [("a", 110, 1, 40, 111)], handover=moved) == [0] and moved == [-1]

@@ -399,8 +399,9 @@ def _spread_runner(group, rank, seen, calls):
 def _spread_steps(rank, group):
     """decode="spread" through the runner: a decode step of 5 requests (each rank runs its own as
     vLLM's batch, through vLLM's FULL graph of that size), of 3 requests (at pcp=4 rank 3 owns none),
-    the 5 again without CUDA graphs, decode rows beside a split and a short prompt, a short prompt
-    alone, a hand-over."""
+    the 5 again without CUDA graphs and past the request buffers, decode rows beside a split and a
+    short prompt, a short prompt alone, a hand-over, the 5 all on rank 0 (owners kept from earlier
+    steps: its graph of 8 rows is larger than the batch)."""
     from vllm.config import CUDAGraphMode
 
     from qwen36_pcp.decode_owners import DecodeOwners
@@ -415,10 +416,12 @@ def _spread_steps(rank, group):
             ("mixed", ["c", "a", "e", "p", "q"], [3001, 18, 10, 0, 0], [1, 1, 1, 5000, 30], [3000, 17, 9, 5000, 30]),
             ("prompt", ["r"], [0], [30], [30]),
             # request a, decoded on one rank, comes back with three tokens of a grown prompt
-            ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40])):
+            ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40]), ("decode_lopsided", *decode)):
         _graphs(runner, CUDAGraphMode.NONE if name == "decode_eager" else CUDAGraphMode.FULL_AND_PIECEWISE)
-        if name in ("decode3", "decode_eager", "decode_past_buffers"):
+        if name in ("decode3", "decode_eager", "decode_past_buffers", "decode_lopsided"):
             runner.decode_owners = DecodeOwners(group.world_size)
+        if name == "decode_lopsided":
+            runner.decode_owners.owner.update({r: 0 for r in req_ids})
         # the padded batch (4 rows at pcp=2) past the request buffers: eager at its own size
         runner.max_num_reqs = 3 if name == "decode_past_buffers" else 16
         num_new = np.array(num_new, dtype=np.int32)
@@ -573,7 +576,7 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
 
     world_size, ranks = spread_runs[0], [runs["steps"] for runs in spread_runs[1]]
     computed = {"decode": [17, 40, 3000, 700, 9], "decode3": [5, 6, 7], "decode_eager": [17, 40, 3000, 700, 9],
-                "decode_past_buffers": [17, 40, 3000, 700, 9]}
+                "decode_past_buffers": [17, 40, 3000, 700, 9], "decode_lopsided": [17, 40, 3000, 700, 9]}
     for rank, results in enumerate(ranks):
         decode, mixed, prompt = (results[k] for k in ("decode", "mixed", "prompt"))
         # each decode row on one rank, balanced (5 rows: 3 + 2 at pcp=2, 2 + 1 + 1 + 1 at pcp=4)
@@ -583,7 +586,7 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
         # the same owners at the next step, where the decode rows sit beside a split and a short prompt
         owner_of = dict(zip("abcde", decode["owner"]))
         assert mixed["owner"] == [owner_of["c"], owner_of["a"], owner_of["e"], -1, -1]
-        for name in ("decode", "decode3", "decode_eager", "decode_past_buffers"):
+        for name in ("decode", "decode3", "decode_eager", "decode_past_buffers", "decode_lopsided"):
             step = results[name]
             owner, calls = np.array(step["owner"]), step["calls"]
             mine = np.flatnonzero(owner == rank)  # in the plan's local order: by request
@@ -592,7 +595,7 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
             # 2 -> 2, 1 -> 1), unpadded without graphs; dispatched as a decode batch of that size
             most = int(np.bincount(owner, minlength=world_size).max())
             eager = name == "decode_eager" or (name == "decode_past_buffers" and world_size == 2)
-            rows = most if eager else {1: 1, 2: 2, 3: 4}[most]
+            rows = most if eager else {1: 1, 2: 2, 3: 4, 5: 8}[most]
             assert step["owned"].num_rows == rows and step["owned"].num_reqs == n
             assert calls["dispatch"] == (rows, rows, name == "decode_past_buffers" and eager, step["mode"], rows)
             assert step["mode"] == (CUDAGraphMode.NONE if eager else CUDAGraphMode.FULL)
@@ -624,6 +627,7 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
             for j, (k, v) in enumerate(step["kv"]):
                 assert torch.equal(k[slots], _expected(ids, pos) + j) and torch.equal(v[slots], -k[slots]), (name, rank, j)
         assert results["decode3"]["owner"] == ([0, 1, 2] if world_size == 4 else [0, 1, 0])  # pcp=4: rank 3 none
+        assert results["decode_lopsided"]["owner"] == [0] * 5 and results["decode_lopsided"]["owned"].num_rows == 8
         # a mixed step splits as before: the layers get the step's PCP context, no owned batch
         assert mixed["owned"] is None and mixed["calls"]["dispatch"][2] and all(c for _, c in mixed["seen"])
         assert torch.equal(mixed["hidden"][mixed["rows"]], mixed["expected"][mixed["rows"]])
@@ -741,6 +745,33 @@ def test_a_proposal_that_skips_the_model_raises():
         with split_first_pass(proposer, ctx=object()):
             assert proposer.model is not model
     assert proposer.model is model
+
+
+def test_a_spread_step_dispatched_at_another_size_raises(monkeypatch):
+    """A spread decode step's heads, slots and metadata are written for the plan's padded rows: were
+    vLLM's dispatch to pad the owned batch otherwise (a vLLM whose padding no longer matches the
+    plan's), the step raises instead of running a batch of stale rows."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from qwen36_pcp.runner import PCPModelRunner
+
+    asked = []
+
+    def vllm_dispatch(self, *args, force_eager=False, **kw):
+        asked.append((kw["num_tokens"], kw["num_reqs"], kw["max_num_scheduled_tokens"], force_eager))
+        return "mode", SimpleNamespace(num_tokens=padded), False, None, None
+
+    monkeypatch.setattr(GPUModelRunner, "_determine_batch_execution_and_padding", vllm_dispatch)
+    runner = object.__new__(PCPModelRunner)
+    runner.pcp_step = SimpleNamespace(owned=SimpleNamespace(num_rows=4, eager=False), plan=None)
+    whole = dict(num_tokens=9, num_reqs=9, num_scheduled_tokens_np=np.ones(9, dtype=np.int32),
+                 max_num_scheduled_tokens=1, use_cascade_attn=False)
+    padded = 4
+    mode, desc, *_ = runner._determine_batch_execution_and_padding(**whole)
+    assert (mode, desc.num_tokens) == ("mode", 4) and asked == [(4, 4, 1, False)]  # the owned batch's size
+    padded = 8
+    with pytest.raises(RuntimeError, match="spread decode step of 4 rows as a batch of 8"):
+        runner._determine_batch_execution_and_padding(**whole)
 
 
 def test_a_context_for_another_row_count_shares_the_steps_tensors():
