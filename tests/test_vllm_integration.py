@@ -428,8 +428,7 @@ def test_keep_autotune_configs_on_a_real_autotuner():
     def kernel(K):
         pass
 
-    grid = [triton.Config({"BK": bk}, num_warps=w, num_stages=s)
-            for bk in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
+    grid = _vllm_config_grids()["chunk_scaled_dot_kkt_fwd_kernel"]
     tuner = triton.autotune(configs=grid, key=["K"])(triton.jit(kernel))
     tuner.cache[("stale",)] = grid[0]
     assert keep_autotune_configs(tuner, lambda c: c.kwargs["BK"] == 128)

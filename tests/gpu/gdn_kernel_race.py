@@ -12,8 +12,8 @@ kernel of the GDN prefill path in turn to each of its configs and runs the whole
 ``chunk_gated_delta_rule`` (q/k L2-normalised in the kernel, as vLLM's GDN layer calls it): the
 kernels whose choice of config alone changes the output, which an autotuner picking by speed turns
 into answers that differ between cold starts, and for each which configs give which output (the
-configs to keep for one answer) and the whole call's time under the fastest of them and of its BK=128
-configs (what keeping those costs).
+configs to keep for one answer) and the whole call's time under the fastest of them and of the
+configs ``qwen36_pcp.deterministic_gdn`` pins it to (what keeping those costs).
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
 configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact.
 ``qwen36_pcp.deterministic_gdn.pin_gdn_configs`` keeps those, and keeps the two kernels ``--config-sensitivity`` found (``chunk_fwd_kernel_o``, ``solve_tril``'s 64x64
@@ -113,6 +113,20 @@ def _distinct(call, runs: int) -> list:
 
 
 @contextlib.contextmanager
+def _kkt_race_free():
+    """``chunk_scaled_dot_kkt_fwd`` kept to its race-free configs (as where PCP runs) for the block, so
+    that its races do not pass for another kernel's sensitivity; yields its pin."""
+    from qwen36_pcp.deterministic_gdn import PINS, pin_gdn_configs, restore_gdn_configs
+
+    kkt = next(p for p in PINS if p.kernel == "chunk_scaled_dot_kkt_fwd_kernel")
+    pin_gdn_configs([kkt])
+    try:
+        yield kkt
+    finally:
+        restore_gdn_configs([kkt])
+
+
+@contextlib.contextmanager
 def _pinned(tuner):
     """(the autotuner's configs, pin): ``pin(cfg)`` makes ``cfg`` its only config (its choice
     forgotten); its configs and choices come back after."""
@@ -181,13 +195,12 @@ def config_sensitivity(args) -> int:
     outputs its configs give, and how far apart. 1 when any kernel's config changes the output."""
     from triton.runtime.errors import OutOfResources, PTXASError
 
-    from qwen36_pcp.deterministic_gdn import PINS, pin_gdn_configs, restore_gdn_configs
+    from qwen36_pcp.deterministic_gdn import PINS
 
     hk, hv, d = SHAPES[args.shape]
     sensitive = []
-    kkt = [p for p in PINS if p.kernel == "chunk_scaled_dot_kkt_fwd_kernel"]
-    pin_gdn_configs(kkt)
-    try:
+    pins = {f"{p.module}.{p.kernel}": p for p in PINS}  # by ``_tuners``' names
+    with _kkt_race_free():
         for T in args.lengths:
             call, run = _whole_call(_inputs(T, hk, hv, d))
             base = run().clone()
@@ -222,11 +235,10 @@ def config_sensitivity(args) -> int:
                         same = "the autotuned output" if _same_bits(u, base) else "another output"
                         print(f"    {same}: {'; '.join(map(str, cfgs))}", flush=True)
                         print(f"      {_fastest(cfgs, ms)}", flush=True)
-                    bk128 = [c for c in configs if c.kwargs.get("BK") == 128 and id(c) in ms]
-                    if bk128:
-                        print(f"    the BK=128 configs: {_fastest(bk128, ms)}", flush=True)
-    finally:
-        restore_gdn_configs(kkt)
+                    config_pin = pins.get(name)
+                    kept = [c for c in configs if config_pin is not None and config_pin.keep(c) and id(c) in ms]
+                    if kept:
+                        print(f"    the pinned {config_pin.kept} configs: {_fastest(kept, ms)}", flush=True)
     print(f"kernels whose config changes the output: {sorted(set(sensitive))}", flush=True)
     return 1 if sensitive else 0
 
@@ -261,20 +273,18 @@ def pin_cost(args) -> int:
     ones and among the others (every other kernel autotuned at that length first, as a process whose
     first prefill had it would; Triton's on-disk cache of choices, keyed without the length, bypassed).
     The kept configs' outputs are checked to be one."""
-    from qwen36_pcp.deterministic_gdn import ORIGINAL_CONFIGS, PINS, pin_gdn_configs, restore_gdn_configs
+    from qwen36_pcp.deterministic_gdn import ORIGINAL_CONFIGS, PINS
 
     hk, hv, d = SHAPES[args.shape]
     tuners = dict(_tuners())
-    kkt = [p for p in PINS if p.kernel == "chunk_scaled_dot_kkt_fwd_kernel"]
-    pin_gdn_configs(kkt)  # race-free while the other pins' outputs are compared
-    try:
+    with _kkt_race_free() as kkt:  # while the other pins' outputs are compared
         for T in args.lengths:
             call, run = _whole_call(_inputs(T, hk, hv, d))
             for tuner in tuners.values():
                 tuner.cache.clear()
                 tuner.cache_results = False
             run()  # every kernel autotuned at T
-            for pin in sorted(PINS, key=lambda p: p in kkt):  # the kkt kernel's cost last
+            for pin in sorted(PINS, key=lambda p: p is kkt):  # the kkt kernel's cost last
                 tuner = pin.tuner()
                 line, outs = [], []
                 with _pinned(tuner) as (current, _):
@@ -295,8 +305,6 @@ def pin_cost(args) -> int:
                         line.append(f"{label} {_time(call):.4f} ms ({tuner.best_config})")
                 print(f"{args.shape} T={T:6d} {pin.kernel:40s} kept {pin.kept}: {len(outs) or 'no'} output(s) under "
                       f"the kept configs; the whole call, autotuned among " + "; ".join(line), flush=True)
-    finally:
-        restore_gdn_configs(kkt)
     return 0
 
 
