@@ -110,9 +110,11 @@ def spread_decode_problems(vllm_config, config: PCPConfig) -> list[str]:
     if config.decode != "spread":
         return []
     problems = []
-    if vllm_config.speculative_config is not None:
-        problems.append("decode='spread' together with speculative decoding (verification rows read "
-                        "GDN states on every rank): use decode='replicated'")
+    if vllm_config.speculative_config is not None and vllm_config.cache_config.enable_prefix_caching:
+        problems.append("decode='spread' together with speculative decoding and prefix caching (vLLM then "
+                        "keeps GDN states block by block at accepted-token offsets, which spread decode does "
+                        "not share): pass enable_prefix_caching=False (--no-enable-prefix-caching) or use "
+                        "decode='replicated'")
     if config.moe_experts == "sharded":
         problems.append("decode='spread' together with moe_experts='sharded' (each rank decodes its own "
                         "requests alone, but sharded experts need every rank in every MoE layer): use "

@@ -23,8 +23,13 @@ Where another rank could read a decoding request's state, and what happens there
 - hybrid prefix caching (``mamba_cache_mode="align"``) keeps states block by block on every rank,
   and a later request hitting the prefix reads a full block's state on every rank: after the step in
   which an owned row fills its block, the owner broadcasts that block's states (``state_blocks``);
-- speculative decoding is refused with ``decode="spread"`` at startup (``checks``): its verification
-  rows read states at accepted-token offsets on every rank.
+- speculative decoding (MTP): a request's decode rows are its verification rows (its last token and
+  its drafts), and a step of such rows alone, as many per request, is spread: each owner runs vLLM's
+  own verification of its requests (``owned_batch``), their states and accepted-token offsets on it
+  alone. Any other step with an owned request's rows (beside a prompt, or with another number of
+  drafts) is computed whole by every rank as without spread: its owned requests are handed over first
+  (every state block of theirs: the drafts' too, ``state_blocks.hand_over_request_states``) and get an
+  owner again at the next spread step. With prefix caching this is refused at startup (``checks``).
 """
 
 from __future__ import annotations
@@ -41,11 +46,14 @@ class DecodeOwners:
         self.prefill_end: dict[str, int] = {}  # tokens the latest start from token 0 covers
 
     def step(self, req_ids: Sequence[str], num_computed: np.ndarray, num_new: np.ndarray,
-             num_prompt: np.ndarray, requests: Mapping) -> tuple[np.ndarray, np.ndarray]:
+             num_prompt: np.ndarray, requests: Mapping,
+             decode_rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per request of the step: its owner (-1: not a decode row, computed as before) and, for a
         request whose owner alone holds its states but which every rank computes now, that owner
         (-1 elsewhere). ``requests``: the runner's live requests by id (their ``num_tokens``: the
-        prompt and output tokens it holds).
+        prompt and output tokens it holds). ``decode_rows``: which requests' rows are decode rows
+        (default: one new token; with speculative decoding the caller's verification rows, none
+        where the step is not spread).
 
         Array operations over the batch, with a Python loop only over the requests whose ownership
         changes (rare: a restart, a hand-over, a first decode row): it runs every step, on every rank,
@@ -63,7 +71,7 @@ class DecodeOwners:
         owner = np.array([self.owner.get(r, -1) for r in req_ids], dtype=np.int64)
         ends = np.maximum(np.asarray(num_prompt, dtype=np.int64),
                           np.array([self.prefill_end.get(r, 0) for r in req_ids], dtype=np.int64))
-        decoding = (num_new == 1) & (num_computed >= ends)
+        decoding = (num_new == 1 if decode_rows is None else np.asarray(decode_rows, dtype=bool)) & (num_computed >= ends)
         handover = np.where(decoding, -1, owner)
         for i in np.flatnonzero(handover >= 0):  # owned, but every rank computes it now
             del self.owner[req_ids[i]]

@@ -15,6 +15,11 @@ their new rows in one ``KVStage`` as they write them, inside the graph): one col
 Consecutive spread decode steps of the same owners in the same order (a batch decoding on) share one
 ``OwnedBatch``: its rows, query starts, exchange rows and step tensors reach the device once, and
 each step moves only its sequence lengths (``write_heads``, ``step_tensors``).
+
+With speculative decoding a request's rows are its verification rows (``query_len``: its last token
+and its K drafts), the batch is vLLM's uniform verification batch of the owned requests, and the
+drafter, which runs after the forward over the whole batch on every rank, reads the heads again: their
+whole-batch values are kept when written and put back after the forward (``restore_heads``).
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ class OwnedBatch:
     """This rank's requests at a spread decode step, as the batch its model call runs."""
 
     reqs: np.ndarray  # [n] the owned requests' batch indices, in the plan's local order
-    tokens: np.ndarray  # [n] their rows (one new token each) in the whole batch
-    num_rows: int  # the batch every rank runs: the most any rank owns, padded to a graph size
+    tokens: np.ndarray  # [n x query_len] their rows in the whole batch
+    num_rows: int  # the batch every rank runs, in rows: the most any rank owns, padded to a graph size
     eager: bool = False  # no graph: the padded batch would exceed the runner's request buffers
+    query_len: int = 1  # rows per request: one, or with speculative decoding 1 + K
+    device_lens: bool = False  # sequence lengths from vLLM's device copy (speculative decoding)
     exchange_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # ``kv_exchange_rows``
     query_start_cpu: torch.Tensor | None = None  # the owned batch's query starts on the host
     # per step: group -> ``kv_exchange_slots``; the owned sequence lengths on the device; the longest of them
@@ -49,29 +56,53 @@ class OwnedBatch:
     # those rows valid)
     _device: tuple | None = field(default=None, repr=False)
     _tensors: StepTensors | None = field(default=None, repr=False)  # ``step_tensors``
+    _kept: tuple | None = field(default=None, repr=False)  # ``keep_heads``: (heads, their whole-batch values)
 
     @classmethod
-    def of(cls, plan: PCPPlan, num_rows: int, eager: bool = False) -> OwnedBatch:
+    def of(cls, plan: PCPPlan, num_rows: int, eager: bool = False, device_lens: bool = False) -> OwnedBatch:
         local = plan.local_segments
+        query_len = int(plan.num_new[0])
         return cls(np.array([s.req for s in local], dtype=np.int64),
-                   np.asarray(plan.local_full_idx[plan.rank][: len(local)], dtype=np.int64), int(num_rows), eager,
-                   kv_exchange_rows(plan))
+                   np.asarray(plan.local_full_idx[plan.rank][: len(local) * query_len], dtype=np.int64),
+                   int(num_rows), eager, query_len, device_lens, kv_exchange_rows(plan))
 
     @property
     def num_reqs(self) -> int:
         return len(self.reqs)
 
-    def write_heads(self, runner, attention_groups: Iterable[int] = ()) -> None:
+    @property
+    def num_tokens(self) -> int:
+        """The owned rows (``num_rows`` pads them)."""
+        return len(self.tokens)
+
+    @property
+    def num_reqs_padded(self) -> int:
+        """The requests of the batch every rank runs (``num_rows / query_len``)."""
+        return self.num_rows // self.query_len
+
+    def keep_heads(self, views: Iterable[torch.Tensor]) -> None:
+        """The whole batch's values of buffers a spread step writes at their heads (``views``: those
+        heads), to be put back after the forward (``restore_heads``) for what reads the whole batch
+        then (the MTP drafter)."""
+        views = [v for v in views if v.numel()]
+        self._kept = views, [v.clone() for v in views]
+
+    def restore_heads(self) -> None:
+        if self._kept is not None:
+            for view, value in zip(*self._kept):  # (host and device tensors)
+                view.copy_(value)
+            self._kept = None
+
+    def write_heads(self, runner, attention_groups: Iterable[int] = (), keep: Iterable[torch.Tensor] = ()) -> None:
         """The owned requests' rows at the head of the runner's metadata buffers (``num_rows`` of
         them; the rows past ``num_reqs`` are padding: vLLM's metadata build fills their block-table
         rows with the null block, ``_get_slot_mappings`` their slots with -1).
 
-        Nothing is put back: in 0.20.2 the next ``_prepare_inputs`` rewrites each of these buffers
-        before anything reads it (query starts and sequence lengths whole, block-table rows up to its
-        batch's size: rows past it are stale in vLLM too, the slot mapping whole), and after the
-        forward only pooling and speculative decoding read them, both refused with
-        ``decode="spread"`` (prompt logprobs read the host's query starts, which stay the whole
-        batch's). Slots are read by attention layers alone (vLLM 0.20.2's GDN metadata takes
+        Without a drafter nothing is put back: in 0.20.2 the next ``_prepare_inputs`` rewrites each of
+        these buffers before anything reads it (query starts and sequence lengths whole, block-table
+        rows up to its batch's size: rows past it are stale in vLLM too, the slot mapping whole), and
+        after the forward only pooling (refused with ``decode="spread"``) and the drafter read them
+        (prompt logprobs read the host's query starts, which stay the whole batch's). Slots are read by attention layers alone (vLLM 0.20.2's GDN metadata takes
         block-table rows, not slots), so only ``attention_groups``' slot heads are written; the one
         whole-batch value read after the forward, those groups' slots where ``defer_staged_kv`` writes
         the step's new K/V, is taken first (``exchange_slots``). A step's sequence lengths are the
@@ -84,8 +115,14 @@ class OwnedBatch:
         read, by attention past its sequence length nor by the GDN metadata), and reach the device in
         the step's one copy beside the sequence lengths. One ``torch._foreach_copy_`` call then writes
         every head (the device still copies head by head: mixed dtypes and strided heads): a step's
-        host work is a few tensor calls whatever the number of KV-cache groups, not two per group."""
-        n, rows = self.num_reqs, self.num_rows
+        host work is a few tensor calls whatever the number of KV-cache groups, not two per group.
+
+        With speculative decoding (``query_len`` rows per request) the sequence lengths are vLLM's
+        device copy's (``device_lens``: the host's count drafts not yet verified under async
+        scheduling; the host heads get the host's, an upper bound, as vLLM's own), and ``keep``: other
+        heads the step writes (the model's inputs), kept with these (``keep_heads``) for the drafter."""
+        n, rows, q = self.num_reqs, self.num_reqs_padded, self.query_len
+        tokens = self.num_tokens
         device = runner.seq_lens.device
         tables = runner.input_batch.block_table.block_tables
         host = runner.optimistic_seq_lens_cpu.numpy()
@@ -96,27 +133,35 @@ class OwnedBatch:
             # without blocking): the owned starts are written on the device, in stream order after that
             # copy, and handed to the metadata build on the host as a tensor of their own
             # (``query_starts``). One index for the slots: the owned rows', then the exchange rows'.
-            starts = np.minimum(np.arange(rows + 1), n).astype(np.int32)
+            starts = (np.minimum(np.arange(rows + 1), n) * q).astype(np.int32)
             self.query_start_cpu = torch.from_numpy(starts)
             self._device = tuple(to_device_all(
                 device, (starts, torch.int32), np.concatenate([self.tokens, self.exchange_rows.clip(min=0)]),
-                (np.concatenate([np.ones(n, dtype=bool), self.exchange_rows >= 0]), torch.bool)))
+                (np.concatenate([np.ones(tokens, dtype=bool), self.exchange_rows >= 0]), torch.bool), self.reqs))
         blocks = [table.block_table.np[self.reqs, : max(1, int(table.num_blocks_per_row[self.reqs].max()))]
                   for table in tables] if n else []
         self.lens, *blocks_dev = to_device_all(device, (lens, torch.int32), *((b, torch.int32) for b in blocks))
         self.max_len = int(lens.max(initial=0))
-        starts_dev, slot_rows, slot_valid = self._device
+        starts_dev, slot_rows, slot_valid, reqs_dev = self._device
+        if self.device_lens:  # vLLM's device lengths of the owned requests, zero past them
+            self.lens = torch.cat([runner.seq_lens.index_select(0, reqs_dev), self.lens[n:]])
         heads = [runner.query_start_loc.gpu[: rows + 1], runner.seq_lens[:rows]]
         values = [starts_dev, self.lens]
         self.exchange_slots = {}
         for g in attention_groups:  # the whole batch's slots, selected before their head is written
             slots = kv_exchange_slots(tables[g].slot_mapping.gpu, slot_rows, slot_valid)
-            self.exchange_slots[g] = slots[n:]
-            heads.append(tables[g].slot_mapping.gpu[:n])
-            values.append(slots[:n])
+            self.exchange_slots[g] = slots[tokens:]
+            heads.append(tables[g].slot_mapping.gpu[:tokens])
+            values.append(slots[:tokens])
         for table, b in zip(tables, blocks_dev):
             heads.append(table.block_table.gpu[:n, : b.shape[1]])
             values.append(b)
+        keep = list(keep)
+        if keep:  # what vLLM's metadata build and slots also write: padding rows' blocks and slots
+            cols = max((int(t.num_blocks_per_row.max(initial=1)) for t in tables), default=1)
+            self.keep_heads([*heads[:2], *keep, runner.optimistic_seq_lens_cpu[:rows],
+                             *(t.slot_mapping.gpu[: self.num_rows] for t in tables),
+                             *(t.block_table.gpu[:rows, :cols] for t in tables)])
         torch._foreach_copy_(heads, values)
         host[:rows] = lens
 
@@ -127,6 +172,20 @@ class OwnedBatch:
         if self._tensors is None:
             self._tensors = StepTensors.build(plan, device)
         return dataclasses.replace(self._tensors, seqused_k=self.lens[: self.num_reqs], max_k=self.max_len)
+
+    def verification_inputs(self, accepted, drafts) -> dict[str, SimpleNamespace]:
+        """vLLM's buffers of accepted-token counts (``num_accepted_tokens``, read on the device) and of
+        drafts per verifying request (``num_decode_draft_tokens``, read on the host) as the metadata
+        build reads them for the owned requests: theirs at the head, the padding rows' as vLLM pads a
+        batch (one accepted token, -1 drafts: no verification row)."""
+        n, rows = self.num_reqs, self.num_reqs_padded
+        reqs_dev = self._device[3]
+        owned_accepted = torch.ones(rows, dtype=accepted.gpu.dtype, device=accepted.gpu.device)
+        owned_accepted[:n] = accepted.gpu.index_select(0, reqs_dev)
+        owned_drafts = torch.full((rows,), -1, dtype=drafts.cpu.dtype)
+        owned_drafts[:n] = drafts.cpu[torch.from_numpy(self.reqs)]
+        return {"num_accepted_tokens": SimpleNamespace(gpu=owned_accepted),
+                "num_decode_draft_tokens": SimpleNamespace(cpu=owned_drafts)}
 
     def query_starts(self, buffer):
         """vLLM's query-start buffer as the metadata build reads it: its device tensor (the owned

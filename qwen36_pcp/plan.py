@@ -94,8 +94,11 @@ def block_bounds(num_tokens: int, num_blocks: int) -> np.ndarray:
 
 
 def spread_decode_step(owner: np.ndarray | None, num_new: np.ndarray) -> bool:
-    """Whether a step is a spread decode step: every request one new token, on its owner."""
-    return owner is not None and len(num_new) > 0 and bool((owner >= 0).all()) and bool((num_new == 1).all())
+    """Whether a step is a spread decode step: every request on its owner, each as many new tokens
+    (one; with speculative decoding its last token and as many drafts as every other's)."""
+    num_new = np.asarray(num_new)
+    return (owner is not None and len(num_new) > 0 and bool((owner >= 0).all())
+            and bool((num_new == num_new[0]).all()))
 
 
 def block_owner(block: int, world_size: int, layout: str) -> int:
@@ -225,8 +228,8 @@ class PCPPlan:
 
     @cached_property
     def decode_spread_only(self) -> bool:
-        """Every request is one owned row (a spread decode step): each rank runs vLLM's decode kernels
-        on its own rows, with no collective but the K/V and output gathers."""
+        """Every request owned, each as many rows (a spread decode step): each rank runs vLLM's decode
+        kernels on its own rows, with no collective but the K/V and output gathers."""
         return spread_decode_step(self.owner, self.num_new)
 
     @property

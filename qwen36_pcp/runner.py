@@ -41,7 +41,7 @@ from .layers.pcp_attention import PCPFlashAttentionImpl
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .owned_batch import KVStage, OwnedBatch, defer_staged_kv
 from .plan import PCPPlan, spread_decode_step
-from .state_blocks import share_completed_state_blocks
+from .state_blocks import hand_over_request_states, share_completed_state_blocks
 
 
 @contextlib.contextmanager
@@ -72,6 +72,9 @@ class PCPStep:
     plan: PCPPlan | None  # None: an unsplit step
     logits_indices: torch.Tensor  # the rows vLLM samples from
     owned: OwnedBatch | None = None  # a spread decode step: the batch of this rank's own requests
+    # a spread decode step with a drafter: the whole batch's metadata the drafter reads (its heads put
+    # back after the forward)
+    drafter_metadata: object = None
 
 
 class PCPModelRunner(GPUModelRunner):
@@ -107,13 +110,57 @@ class PCPModelRunner(GPUModelRunner):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self.draft_ctx = None  # set again by a split step whose drafter splits (_model_forward)
-        plan, owned = self._plan(num_scheduled_tokens)
+        verifying = (self._verification_step(scheduler_output, num_scheduled_tokens)
+                     if self.speculative_config is not None else None)
+        plan, owned = self._plan(num_scheduled_tokens, verifying)
+        drafter_metadata = None
         if owned is not None:
-            owned.write_heads(self, attention_groups=[g for g, _ in self._attention_layers_by_group()])
-        self.pcp_step = PCPStep(plan, logits_indices, owned)
+            keep = ()
+            if self.speculative_config is not None:  # read by the drafter after the forward
+                drafter_metadata = self._drafter_metadata(scheduler_output, num_scheduled_tokens)
+                keep = self._model_input_heads(owned.num_rows)
+            owned.write_heads(self, attention_groups=[g for g, _ in self._attention_layers_by_group()], keep=keep)
+        self.pcp_step = PCPStep(plan, logits_indices, owned, drafter_metadata)
         return logits_indices, spec_decode_metadata
 
-    def _plan(self, num_new: np.ndarray) -> tuple[PCPPlan | None, OwnedBatch | None]:
+    def _verification_step(self, scheduler_output, num_new: np.ndarray) -> bool:
+        """Whether every request of the step is verifying drafts, as many as the drafter makes (1 + K
+        rows each, vLLM's uniform decode batch): with ``decode="spread"`` a spread step. vLLM's own rule
+        for a verification row (``num_decode_draft_tokens``): its request past its prompt, with drafts
+        scheduled."""
+        num_reqs = len(num_new)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if num_reqs == 0 or len(drafts) != num_reqs or not (num_new == self.uniform_decode_query_len).all():
+            return False
+        index = self.input_batch.req_id_to_index
+        rows = np.array([index[r] for r in drafts], dtype=np.int64)
+        lens = np.array([len(d) for d in drafts.values()], dtype=np.int64)
+        past_prompt = self.input_batch.num_computed_tokens_cpu[rows] >= self.input_batch.num_prompt_tokens[rows]
+        return bool(past_prompt.all() and (num_new[rows] == lens + 1).all())
+
+    def _drafter_metadata(self, scheduler_output, num_new: np.ndarray):
+        """The whole batch's common metadata for the drafter's KV-cache group, built by vLLM's own
+        ``_build_attention_metadata`` with no layer's metadata (its attention groups left out while it
+        runs): what vLLM hands the drafter at pcp == 1, its tensors views of the runner's buffers, whose
+        heads the spread step writes and puts back after its forward (``OwnedBatch.keep_heads``)."""
+        num_reqs, num_tokens = len(num_new), int(num_new.sum())
+        tables = self.input_batch.block_table.block_tables
+        groups, self.attn_groups = self.attn_groups, [[] for _ in self.attn_groups]
+        try:
+            return super()._build_attention_metadata(
+                num_tokens=num_tokens, num_reqs=num_reqs, max_query_len=int(num_new.max()), use_spec_decode=True,
+                num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
+                slot_mappings={g: t.slot_mapping.gpu[:num_tokens] for g, t in enumerate(tables)})[1]
+        finally:
+            self.attn_groups = groups
+
+    def _model_input_heads(self, rows: int) -> list[torch.Tensor]:
+        """The heads of the model's input buffers a spread step writes (``_owned_forward``)."""
+        positions = self.mrope_positions.gpu[:, :rows] if self.uses_mrope else self.positions[:rows]
+        embeds = getattr(self, "inputs_embeds", None)
+        return [self.input_ids.gpu[:rows], positions] + ([embeds.gpu[:rows]] if embeds is not None else [])
+
+    def _plan(self, num_new: np.ndarray, verifying: bool | None = None) -> tuple[PCPPlan | None, OwnedBatch | None]:
         """The step's plan (None when the step stays whole: no request has enough new tokens to
         split and (``decode="spread"``) none decodes, or (speculative decoding) a request is past its
         prompt. With ``decode="spread"`` each decode row goes to its request's owner
@@ -129,7 +176,10 @@ class PCPModelRunner(GPUModelRunner):
         verification rows) stays whole: the GDN layers keep those rows' states in a separate index
         space with accepted-token offsets, and under async scheduling the host's ``num_computed_tokens`` of a decoding request
         counts drafts not yet verified (vLLM corrects it on the GPU after the step is launched), so the
-        plan, made on the host, is exact only for prompt tokens."""
+        plan, made on the host, is exact only for prompt tokens. With ``decode="spread"`` a step of
+        verification rows alone (``verifying``) is a spread step like any other (the owned batch then
+        vLLM's verification batch of its requests); every other step with an owned request's rows is
+        computed whole, the requests handed over first (``_hand_over_states``)."""
         world = self.pcp_group.world_size
         num_reqs = len(num_new)
         num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
@@ -137,15 +187,20 @@ class PCPModelRunner(GPUModelRunner):
         if self.decode_owners is not None:
             owner, handover = self.decode_owners.step(
                 self.input_batch.req_ids[:num_reqs], num_computed, num_new,
-                self.input_batch.num_prompt_tokens[:num_reqs], self.requests)
+                self.input_batch.num_prompt_tokens[:num_reqs], self.requests,
+                None if verifying is None else np.full(num_reqs, verifying))
+            if verifying is not None:  # every state block of theirs, before the step; no plan reads it
+                self._hand_over_states(handover)
+                handover = np.full(num_reqs, -1, dtype=np.int64)
         if not self.pcp_config.step_splits(num_new, world) and (
                 owner is None or not ((owner >= 0).any() or (handover >= 0).any())):
             return None, None
-        if self.speculative_config is not None and np.any(
+        spread = spread_decode_step(owner, num_new)
+        if self.speculative_config is not None and not spread and np.any(
                 num_computed + num_new > self.input_batch.num_prompt_tokens[:num_reqs]):
             return None, None
-        rows = self._owned_rows(owner, num_new) if spread_decode_step(owner, num_new) else 0
-        key = (owner.tobytes(), rows) if rows else None
+        rows = self._owned_rows(owner, num_new) if spread else 0
+        key = (owner.tobytes(), rows, int(num_new[0])) if rows else None
         if key is not None and self._owned_batch is not None and self._owned_batch[0] == key:
             _, plan, owned = self._owned_batch
             return plan.with_computed(num_computed), owned
@@ -153,18 +208,32 @@ class PCPModelRunner(GPUModelRunner):
                        handover, min_rows=abs(rows))
         if key is None:
             return plan, None
-        owned = OwnedBatch.of(plan, plan.t_pad, eager=rows < 0)
+        owned = OwnedBatch.of(plan, plan.t_pad, eager=rows < 0, device_lens=self.speculative_config is not None)
         self._owned_batch = key, plan, owned
         return plan, owned
 
+    def _hand_over_states(self, handover: np.ndarray) -> None:
+        """With speculative decoding: every GDN state block of the requests ``handover`` names, from
+        their owners to every rank (``state_blocks.hand_over_request_states``)."""
+        if not (handover >= 0).any():
+            return
+        group_ids, _, layers = self._gdn_state_groups()
+        req_ids = self.input_batch.req_ids
+        hand_over_request_states(self.pcp_group, handover,
+                                 lambda i: [self.requests[req_ids[i]].block_ids[g] for g in group_ids],
+                                 [[state for layer in group for state in layer.kv_cache] for group in layers])
+
     def _owned_rows(self, owner: np.ndarray, num_new: np.ndarray) -> int:
-        """The batch size every rank runs at a spread decode step: the most requests any rank owns,
-        padded as vLLM's dispatcher pads a decode batch of that size (to its CUDA graph's size).
-        Negative (the unpadded size, run eagerly) where the padded size exceeds the runner's request
-        buffers: the capture sizes reach twice ``max_num_seqs``."""
-        rows = int(np.bincount(owner, minlength=self.pcp_group.world_size).max())
+        """The batch every rank runs at a spread decode step, in rows: the most requests any rank owns
+        (each ``num_new`` rows: one, or 1 + K verification rows), padded as vLLM's dispatcher pads a
+        uniform decode batch of that size (to its CUDA graph's size). Negative (the unpadded size, run
+        eagerly) where the padded batch exceeds the runner's request buffers: the capture sizes reach
+        twice ``max_num_seqs``."""
+        q = int(num_new[0])
+        rows = int(np.bincount(owner, minlength=self.pcp_group.world_size).max()) * q
         padded = self.cudagraph_dispatcher.dispatch(rows, uniform_decode=True)[1].num_tokens
-        return padded if padded <= self.max_num_reqs else -rows  # past the request buffers: eager
+        fits = padded % q == 0 and padded // q <= self.max_num_reqs
+        return padded if fits else -rows  # past the request buffers: eager
 
     def _determine_batch_execution_and_padding(self, *args, force_eager: bool = False, **kwargs):
         # vLLM dispatches the whole batch; a split step runs a local slice (through the compiled graph
@@ -172,9 +241,9 @@ class PCPModelRunner(GPUModelRunner):
         # dispatches the batch of the rank's own requests, a decode batch of that size at pcp == 1
         step = self.pcp_step
         if step is not None and step.owned is not None:
-            rows = step.owned.num_rows
-            kwargs.update(num_tokens=rows, num_reqs=rows, num_scheduled_tokens_np=np.ones(rows, dtype=np.int32),
-                          max_num_scheduled_tokens=1, use_cascade_attn=False)
+            rows, q = step.owned.num_rows, step.owned.query_len
+            kwargs.update(num_tokens=rows, num_reqs=rows // q, num_scheduled_tokens_np=np.full(rows // q, q, np.int32),
+                          max_num_scheduled_tokens=q, use_cascade_attn=False)
             result = super()._determine_batch_execution_and_padding(force_eager=force_eager or step.owned.eager,
                                                                      **kwargs)
             if result[1].num_tokens != rows:  # the heads, slots and metadata are written for ``rows``
@@ -191,26 +260,36 @@ class PCPModelRunner(GPUModelRunner):
         # a spread decode step: the owned rows' slots at the head, -1 past them to the batch's size
         owned = self.pcp_step.owned if self.pcp_step is not None else None
         if owned is not None:
-            num_tokens_padded = num_reqs_padded = owned.num_rows
-            num_tokens_unpadded = owned.num_reqs
+            num_tokens_padded, num_reqs_padded = owned.num_rows, owned.num_reqs_padded
+            num_tokens_unpadded = owned.num_tokens
         return super()._get_slot_mappings(num_tokens_padded, num_reqs_padded, num_tokens_unpadded, ubatch_slices)
 
     def _build_attention_metadata(self, *args, **kwargs):
         # a spread decode step: vLLM's metadata of a decode batch of the owned requests (at the
-        # buffers' heads), padded to the batch every rank runs
-        owned = self.pcp_step.owned if self.pcp_step is not None else None
+        # buffers' heads), padded to the batch every rank runs; with speculative decoding their
+        # accepted-token counts and drafts in place of the whole batch's, and the drafter's metadata
+        # the whole batch's (``_drafter_metadata``)
+        step = self.pcp_step
+        owned = step.owned if step is not None else None
         if owned is None:
             return super()._build_attention_metadata(*args, **kwargs)
         if owned.num_reqs == 0:  # this rank owns no request: the model does not run
-            return {}, None
-        kwargs.update(num_tokens=owned.num_reqs, num_reqs=owned.num_reqs, num_tokens_padded=owned.num_rows,
-                      num_reqs_padded=owned.num_rows, max_query_len=1, logits_indices=None,
+            return {}, step.drafter_metadata
+        kwargs.update(num_tokens=owned.num_tokens, num_reqs=owned.num_reqs, num_tokens_padded=owned.num_rows,
+                      num_reqs_padded=owned.num_reqs_padded, max_query_len=owned.query_len, logits_indices=None,
                       cascade_attn_prefix_lens=None)
-        whole, self.query_start_loc = self.query_start_loc, owned.query_starts(self.query_start_loc)
+        swapped = {"query_start_loc": owned.query_starts(self.query_start_loc)}
+        if self.speculative_config is not None:
+            swapped.update(owned.verification_inputs(self.num_accepted_tokens, self.num_decode_draft_tokens))
+        whole = {name: getattr(self, name) for name in swapped}
         try:
-            return super()._build_attention_metadata(**kwargs)
+            for name, value in swapped.items():
+                setattr(self, name, value)
+            attn_metadata, common = super()._build_attention_metadata(**kwargs)
         finally:
-            self.query_start_loc = whole
+            for name, value in whole.items():
+                setattr(self, name, value)
+        return attn_metadata, (common if self.speculative_config is None else step.drafter_metadata)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         try:
@@ -272,6 +351,7 @@ class PCPModelRunner(GPUModelRunner):
         for gid, layers in self._attention_layers_by_group():
             defer_staged_kv(ctx, layers, owned.exchange_slots[gid])
         out = ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
+        owned.restore_heads()  # (kept for the drafter only)
         self._share_filled_state_blocks(plan)
         return out
 
@@ -280,15 +360,19 @@ class PCPModelRunner(GPUModelRunner):
         step's owned decode rows filled, from their owners to every rank (``state_blocks``)."""
         if self.decode_owners is None or self.cache_config.mamba_cache_mode != "align" or (plan.owner < 0).all():
             return
-        if not hasattr(self, "_state_groups"):  # the GDN groups, their block size and layers, once
-            group_ids, spec = mamba_utils.get_mamba_groups(self.kv_cache_config)
-            self._state_groups = group_ids, spec.block_size, [self._layers_of_group(g) for g in group_ids]
-        group_ids, block_size, layers = self._state_groups
+        group_ids, block_size, layers = self._gdn_state_groups()
         req_ids = self.input_batch.req_ids
         share_completed_state_blocks(
             self.pcp_group, plan.owner, plan.num_computed + plan.num_new, block_size,
             lambda i: [self.requests[req_ids[i]].block_ids[g] for g in group_ids],
             [[state for layer in group for state in layer.kv_cache] for group in layers])
+
+    def _gdn_state_groups(self) -> tuple[list[int], int, list[list]]:
+        """The GDN KV-cache groups, their block size and layers, once."""
+        if not hasattr(self, "_state_groups"):
+            group_ids, spec = mamba_utils.get_mamba_groups(self.kv_cache_config)
+            self._state_groups = group_ids, spec.block_size, [self._layers_of_group(g) for g in group_ids]
+        return self._state_groups
 
     def _attention_layers_by_group(self) -> list[tuple[int, list[Attention]]]:
         """The model's attention layers per KV-cache group (the MTP drafter's left out), once."""
@@ -364,7 +448,7 @@ class PCPModelRunner(GPUModelRunner):
 
     def _attach_kv_stage(self, layers: list) -> None:
         """With ``decode="spread"``: the model's attention layers keep the new K/V rows they write in
-        one ``KVStage`` of ``max_num_reqs`` rows (the most a spread decode step runs), attached before
+        one ``KVStage`` of ``max_num_reqs`` x (1 + K) rows (the most a spread decode step runs), attached before
         vLLM captures its CUDA graphs so that they hold the copies (``load_model``; vLLM captures in
         ``capture_model``, after it)."""
         other = [type(layer.impl).__name__ for layer in layers if not isinstance(layer.impl, PCPFlashAttentionImpl)]
@@ -372,7 +456,8 @@ class PCPModelRunner(GPUModelRunner):
             raise RuntimeError(f"qwen36_pcp: decode=\"spread\" needs the PCP attention impl on every attention "
                                f"layer, found {sorted(set(other))}")
         if layers:
-            self._kv_stage = KVStage(layers, self.max_num_reqs, self.dtype, self.device)
+            self._kv_stage = KVStage(layers, self.max_num_reqs * self.uniform_decode_query_len, self.dtype,
+                                     self.device)
 
     def profile_run(self) -> None:
         super().profile_run()

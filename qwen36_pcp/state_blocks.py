@@ -49,22 +49,57 @@ def share_completed_state_blocks(group, owner: np.ndarray, num_tokens: np.ndarra
     many requests filling blocks at once take a few broadcasts, not one buffer as large as all their
     states. Returns the number of broadcasts."""
     reqs = completed_blocks(owner, num_tokens, block_size)
-    if len(reqs) == 0:
+    return broadcast_state_blocks(
+        group, [int(owner[i]) for i in reqs],
+        [[[block_ids(i)[g][int(num_tokens[i]) // block_size - 1]] for g in range(len(caches))] for i in reqs],
+        caches, max_payload_bytes)
+
+
+def hand_over_request_states(group, handover: np.ndarray, block_ids: Callable[[int], Sequence[Sequence[int]]],
+                             caches: Sequence[Sequence[torch.Tensor]],
+                             max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> int:
+    """Every state block of the requests ``handover`` names (per request of the step: the rank whose
+    states every rank needs now, -1: none), from that rank to every rank, before the step reads them.
+
+    With speculative decoding vLLM keeps a decoding request's GDN states in 1 + K blocks (without prefix
+    caching: ``mamba_cache_mode="none"``): the conv window in the first, the SSM state after each
+    verified position in the others, read at the accepted-token offset that every rank holds alike
+    (``num_accepted_tokens``); all of them go, so every rank reads what the owner would."""
+    reqs = np.flatnonzero(np.asarray(handover) >= 0)
+    return broadcast_state_blocks(group, [int(handover[i]) for i in reqs],
+                                  [[list(block_ids(i)[g]) for g in range(len(caches))] for i in reqs],
+                                  caches, max_payload_bytes)
+
+
+def broadcast_state_blocks(group, sources: Sequence[int], blocks: Sequence[Sequence[Sequence[int]]],
+                           caches: Sequence[Sequence[torch.Tensor]],
+                           max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> int:
+    """Item j's state blocks (``blocks[j][g]``: its block ids in state group g) from rank ``sources[j]``
+    into every rank's ``caches``: one broadcast per source and bounded payload (at least one item),
+    every layer's states of its items packed together. Returns the number of broadcasts."""
+    if len(sources) == 0:
         return 0
     device = caches[0][0].device
     # the widest dtypes first: every part of a payload then starts at a multiple of its element size
     states = sorted(((g, state) for g, group_states in enumerate(caches) for state in group_states),
                     key=lambda gs: -gs[1].element_size())
-    per_block = sum(state[0].numel() * state.element_size() for _, state in states)
-    blocks_per_payload = max(1, max_payload_bytes // per_block)
+    per_block = [sum(state[0].numel() * state.element_size() for h, state in states if h == g)
+                 for g in range(len(caches))]
+    size = [sum(len(blocks[j][g]) * per_block[g] for g in range(len(caches))) for j in range(len(sources))]
     sent = 0
-    for src in sorted(set(int(owner[i]) for i in reqs)):
-        mine = [int(i) for i in reqs if owner[i] == src]
-        for first in range(0, len(mine), blocks_per_payload):  # bounded payloads
-            chunk = mine[first: first + blocks_per_payload]
-            slots = to_device_all(device, *(np.array([block_ids(i)[g][int(num_tokens[i]) // block_size - 1]
-                                                      for i in chunk]) for g in range(len(caches))))
-            _broadcast_slots(group, src, [(state, slots[g]) for g, state in states], len(chunk) * per_block, device)
+    for src in sorted(set(sources)):
+        chunks, nbytes = [[]], 0
+        for j in (j for j, s in enumerate(sources) if s == src):  # bounded payloads
+            if chunks[-1] and nbytes + size[j] > max_payload_bytes:
+                chunks.append([])
+                nbytes = 0
+            chunks[-1].append(j)
+            nbytes += size[j]
+        for chunk in chunks:
+            slots = to_device_all(device, *(np.array([b for j in chunk for b in blocks[j][g]], dtype=np.int64)
+                                            for g in range(len(caches))))
+            _broadcast_slots(group, src, [(state, slots[g]) for g, state in states], sum(size[j] for j in chunk),
+                             device)
             sent += 1
     return sent
 

@@ -156,3 +156,29 @@ def test_a_resumed_requests_one_token_chunk_stays_owned_then_hands_over():
     assert _step(owners, [("a", 97, 13, 40, 110)], handover=moved) == [-1] and moved == [0]
     assert "a" not in owners.owner
     assert _step(owners, [("a", 110, 1, 40, 111)], handover=moved) == [0] and moved == [-1]
+
+
+def test_verification_rows_owned_at_spread_steps_and_handed_over_at_others():
+    """With MTP the caller names the decode rows: a step of verification rows alone (4 rows each at
+    K = 3) gives every request an owner; at a step beside a prompt none is a decode row, so the owned
+    requests in it are handed over and lose their owner, the one left out keeps it, and the next
+    spread step gives owners again."""
+    owners = DecodeOwners(2)
+
+    def step(batch, decode_rows, live=None):
+        ids = [b[0] for b in batch]
+        cols = [np.array([b[k] for b in batch]) for k in (1, 2, 3)]
+        requests = {r: SimpleNamespace(num_tokens=10) for r in (live or ids)}
+        owner, handover = owners.step(ids, *cols, requests, np.full(len(batch), decode_rows))
+        return owner.tolist(), handover.tolist()
+
+    verify = [("a", 40, 4, 10), ("b", 30, 4, 10), ("c", 20, 4, 10)]
+    assert step(verify, True) == ([0, 1, 1], [-1, -1, -1])  # c: one row each, then less context
+    # four rows each but not decode rows (the caller's rule: a prompt beside them): a and c hand over
+    assert step([("a", 44, 4, 10), ("c", 24, 4, 10), ("p", 0, 900, 900)], False,
+                live={"a", "b", "c", "p"}) == ([-1, -1, -1], [0, 1, -1])
+    assert owners.owner == {"b": 1}
+    assert step([("a", 48, 4, 10), ("b", 34, 4, 10), ("c", 28, 4, 10), ("p", 900, 4, 900)], True) == \
+        ([0, 1, 1, 0], [-1, -1, -1, -1])
+    # the caller's rule is applied as given: a recompute from token 0 still ends ownership first
+    assert step([("b", 0, 4, 10)], True, live={"a", "b", "c", "p"}) == ([-1], [-1])

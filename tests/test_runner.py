@@ -86,7 +86,7 @@ def _stand_in_runner(group, config, model, dispatched: list):
     runner.pcp_config, runner.pcp_group, runner.pcp_step = config, group, None
     runner.decode_owners = DecodeOwners(group.world_size) if config.decode == "spread" else None
     runner._owned_batch = None
-    runner.speculative_config, runner.num_prompt_logprobs = None, {}
+    runner.speculative_config, runner.num_prompt_logprobs, runner.uniform_decode_query_len = None, {}, 1
     runner.model, runner.device = model, torch.device("cpu")
     return runner
 
@@ -271,22 +271,25 @@ def _drafter_steps(runner, rank):
     return out
 
 
-def _graphs(runner, mode, kv_write_split: bool = True) -> None:
+def _graphs(runner, mode, kv_write_split: bool = True, query_len: int = 1) -> None:
     """The runner's compilation config and vLLM's CUDA graph dispatcher with keys for graphs of 1, 2,
-    4 and 8 rows under ``mode``; ``kv_write_split``: vLLM's K/V write among the splitting ops (its
-    default: run eagerly between the graphs)."""
+    4 and 8 requests under ``mode``, each ``query_len`` rows (MTP: 1 + K, as vLLM sizes its graphs
+    then); ``kv_write_split``: vLLM's K/V write among the splitting ops (its default: run eagerly
+    between the graphs)."""
     from vllm.config import CompilationConfig
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
     ops = list(CompilationConfig._attention_ops)
     if kv_write_split:
         ops += ["vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
-    config = CompilationConfig(mode=3, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8],
-                               max_cudagraph_capture_size=8, splitting_ops=ops)
-    dispatcher = CudagraphDispatcher(SimpleNamespace(compilation_config=config, speculative_config=None,
+    sizes = [query_len * n for n in (1, 2, 4, 8)]
+    config = CompilationConfig(mode=3, cudagraph_mode=mode, cudagraph_capture_sizes=sizes,
+                               max_cudagraph_capture_size=sizes[-1], splitting_ops=ops)
+    spec = SimpleNamespace(num_speculative_tokens=query_len - 1) if query_len > 1 else None
+    dispatcher = CudagraphDispatcher(SimpleNamespace(compilation_config=config, speculative_config=spec,
                                                      lora_config=None,
                                                      scheduler_config=SimpleNamespace(max_num_seqs=16)))
-    dispatcher.initialize_cudagraph_keys(mode)
+    dispatcher.initialize_cudagraph_keys(mode, query_len)
     runner.compilation_config, runner.cudagraph_dispatcher = config, dispatcher
 
 
@@ -304,7 +307,7 @@ class _BlockTables:
         return self.block_tables[group]
 
 
-def _spread_runner(group, rank, seen, calls):
+def _spread_runner(group, rank, seen, calls, cache_blocks: int = 16):
     """A stand-in runner for ``decode="spread"`` with vLLM's buffers (on the CPU) and its parts of a
     step stood in for as they use those buffers: ``_prepare_inputs`` fills the whole batch's query
     starts, sequence lengths, block-table rows, slots (attention slot = 7 + 11 x the token's row),
@@ -330,7 +333,7 @@ def _spread_runner(group, rank, seen, calls):
     runner.optimistic_seq_lens_cpu = torch.zeros(16, dtype=torch.int32)
     runner.model_config, runner.dtype = SimpleNamespace(get_hidden_size=lambda: HIDDEN), torch.float64
     runner.max_num_reqs = 16
-    layers = pcp_attention_layers([torch.zeros(2, 16, 8, 1, HIDDEN, dtype=torch.float64) for _ in range(2)])
+    layers = pcp_attention_layers([torch.zeros(2, cache_blocks, 8, 1, HIDDEN, dtype=torch.float64) for _ in range(2)])
     runner._attention_groups = [(0, layers)]
     runner._attach_kv_stage(layers)  # (``load_model``'s)
 
@@ -352,7 +355,8 @@ def _spread_runner(group, rank, seen, calls):
         return torch.from_numpy(cu[1:] - 1), None
 
     def dispatch(self, *args, force_eager=False, **kw):
-        uniform = kw["max_num_scheduled_tokens"] == 1 and kw["num_tokens"] == kw["num_reqs"]
+        q = self.uniform_decode_query_len
+        uniform = kw["max_num_scheduled_tokens"] == q and kw["num_tokens"] == kw["num_reqs"] * q
         mode, desc = self.cudagraph_dispatcher.dispatch(
             kw["num_tokens"], uniform_decode=uniform, valid_modes={CUDAGraphMode.NONE} if force_eager else None)
         calls["dispatch"] = (kw["num_tokens"], kw["num_reqs"], force_eager, mode, desc.num_tokens)
@@ -367,8 +371,13 @@ def _spread_runner(group, rank, seen, calls):
         return out, {}
 
     def build(self, **kw):
-        rows = kw["num_reqs_padded"] or kw["num_reqs"]
+        if self.speculative_config is not None and not any(self.attn_groups):  # the drafter's (whole batch)
+            return {}, SimpleNamespace(drafter=True, num_tokens=kw["num_tokens"], num_reqs=kw["num_reqs"],
+                                       slots=kw["slot_mappings"][0].tolist())
+        rows = kw.get("num_reqs_padded") or kw["num_reqs"]
         tables = self.input_batch.block_table.block_tables
+        if self.speculative_config is not None:  # what the GDN builder reads: accepted tokens, drafts
+            calls["verification"] = (self.num_accepted_tokens.gpu.tolist(), self.num_decode_draft_tokens.cpu.tolist())
         calls["metadata"] = {**{k: kw[k] for k in ("num_tokens", "num_reqs", "num_tokens_padded", "num_reqs_padded")},
                              "starts": self.query_start_loc.gpu[: rows + 1].tolist(),
                              "host_starts": self.query_start_loc.cpu[: rows + 1].tolist(),
@@ -441,7 +450,7 @@ def _spread_steps(rank, group):
             layer.kv_cache.zero_()
         calls.clear()
         before = len(seen)
-        logits_indices, mode, hidden = execute_spread_runner(runner, num_new)
+        logits_indices, mode, hidden, _ = execute_spread_runner(runner, num_new)
         whole_ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
         whole_pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
         step = runner.pcp_step
@@ -458,26 +467,29 @@ def _spread_steps(rank, group):
     return results
 
 
-def execute_spread_runner(runner, num_new: np.ndarray):
+def execute_spread_runner(runner, num_new: np.ndarray, drafts: dict | None = None):
     """The runner's parts of a step (``_spread_runner``'s) in ``execute_model``'s order: the inputs, the
     dispatch, the slots, the metadata, the model; (the rows vLLM samples, the graph mode, the hidden
-    states). ``runner.pcp_step`` stays the step's."""
+    states, the common metadata vLLM would hand the drafter). ``runner.pcp_step`` stays the step's.
+    ``drafts``: the scheduled drafts by request id (MTP)."""
     from vllm.forward_context import ForwardContext, override_forward_context
 
     tokens, reqs = int(num_new.sum()), len(num_new)
-    logits_indices, _ = runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), num_new)
+    so = SimpleNamespace(scheduled_spec_decode_tokens=drafts or {},
+                         num_scheduled_tokens=dict(zip(runner.input_batch.req_ids, num_new.tolist())))
+    logits_indices, _ = runner._prepare_inputs(so, num_new)
     mode, desc, *_ = runner._determine_batch_execution_and_padding(
         num_tokens=tokens, num_reqs=reqs, num_scheduled_tokens_np=num_new,
         max_num_scheduled_tokens=int(num_new.max()), use_cascade_attn=False)
     rows = desc.num_tokens
     runner._get_slot_mappings(num_tokens_padded=rows, num_reqs_padded=rows, num_tokens_unpadded=tokens)
-    runner._build_attention_metadata(num_tokens=tokens, num_reqs=reqs, max_query_len=1, num_tokens_padded=rows,
-                                     num_reqs_padded=rows)
+    _, common = runner._build_attention_metadata(num_tokens=tokens, num_reqs=reqs, max_query_len=1,
+                                                 num_tokens_padded=rows, num_reqs_padded=rows)
     context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
                              cudagraph_runtime_mode=mode, batch_descriptor=desc)
     with override_forward_context(context):
         hidden = runner._model_forward(input_ids=runner.input_ids.gpu[:rows], positions=runner.positions[:rows])
-    return logits_indices, mode, hidden
+    return logits_indices, mode, hidden, common
 
 
 def _one_batch_decoding_on(rank, group):
@@ -513,7 +525,7 @@ def _one_batch_decoding_on(rank, group):
             runner.requests = {r: SimpleNamespace(num_tokens=int(c) + 1, block_ids=([], [])) for r, c in zip(req_ids, computed)}
             runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
             calls.clear()
-            _, mode, hidden = execute_spread_runner(runner, np.ones(5, dtype=np.int32))
+            _, mode, hidden, _ = execute_spread_runner(runner, np.ones(5, dtype=np.int32))
             plan, owned = runner.pcp_step.plan, runner.pcp_step.owned
             fresh, used = StepTensors.build(plan, "cpu"), owned.step_tensors(plan, "cpu")
             steps.append({"metadata": calls.get("metadata"), "hidden": hidden.clone(), "mode": mode,
@@ -524,6 +536,84 @@ def _one_batch_decoding_on(rank, group):
         GPUModelRunner._prepare_inputs = prepare
         out[reuse] = steps
     return out
+
+
+def _verification_steps(rank, group):
+    """decode="spread" with MTP (K = 3) through the runner: a step of 5 requests verifying 3 drafts each
+    (each rank runs its own as vLLM's uniform batch of 4-row queries, through vLLM's FULL graph of that
+    size), the same batch a step later (its owned batch reused), then two of them beside a prompt: a
+    step computed whole, the two handed over first (every state block of theirs from its owner)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.utils import CpuGpuBuffer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    seen, calls, results = [], {}, {}
+    runner = _spread_runner(group, rank, seen, calls, cache_blocks=32)
+    runner.speculative_config, runner.uniform_decode_query_len = SimpleNamespace(num_speculative_tokens=3), 4
+    runner.attn_groups, runner.uses_mrope = [["attention"], ["gdn"]], False
+    layers = runner._attention_groups[0][1]
+    runner._attach_kv_stage(layers)  # (``load_model``'s: rows for 1 + K per request)
+    cpu = torch.device("cpu")
+    runner.num_accepted_tokens = CpuGpuBuffer(16, dtype=torch.int32, device=cpu, pin_memory=False)
+    runner.num_decode_draft_tokens = CpuGpuBuffer(16, dtype=torch.int32, device=cpu, pin_memory=False)
+    runner.num_accepted_tokens.gpu.copy_(torch.arange(16) % 4 + 1)  # request i: 1 + i % 4 accepted
+    _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE, query_len=4)
+    prepare = GPUModelRunner._prepare_inputs  # the stand-in's
+
+    def buffers(self):
+        tables = self.input_batch.block_table.block_tables
+        return [self.query_start_loc.gpu, self.seq_lens, self.optimistic_seq_lens_cpu, self.input_ids.gpu,
+                self.positions, *(t.slot_mapping.gpu for t in tables), *(t.block_table.gpu for t in tables)]
+
+    def with_drafts(self, so, num_new):  # vLLM's draft counts of a verification step, then a snapshot
+        rows = prepare(self, so, num_new)
+        # async scheduling: the host counts the previous step's drafts as accepted; vLLM's device lengths
+        # hold what was (request i: i % 3 fewer)
+        self.seq_lens[: len(num_new)] -= torch.arange(len(num_new), dtype=torch.int32) % 3
+        drafts = so.scheduled_spec_decode_tokens
+        self.num_decode_draft_tokens.cpu.fill_(-1)
+        for i, r in enumerate(self.input_batch.req_ids):
+            if r in drafts:
+                self.num_decode_draft_tokens.cpu[i] = len(drafts[r])
+        calls["whole"] = [b.clone() for b in buffers(self)]
+        return rows
+
+    GPUModelRunner._prepare_inputs = with_drafts
+    base = {r: 10 * j for j, r in enumerate("abcdep")}  # each request's 4 state blocks from here
+    verify = (list("abcde"), [17, 40, 3000, 700, 9], [4] * 5, [17, 40, 3000, 700, 9])
+    steps = (("verify", *verify), ("verify_again", verify[0], [c + 4 for c in verify[1]], *verify[2:]),
+             ("mixed", ["a", "b", "p"], [25, 48, 0], [4, 4, 600], [17, 40, 600]))
+    for name, req_ids, num_computed, num_new, num_prompt in steps:
+        num_new = np.array(num_new, dtype=np.int32)
+        runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
+                                             num_prompt_tokens=np.array(num_prompt), block_table=_BlockTables(),
+                                             req_id_to_index={r: i for i, r in enumerate(req_ids)})
+        runner.requests = {r: SimpleNamespace(num_tokens=n + 4, block_ids=([], list(range(base[r], base[r] + 4))))
+                           for r, n in zip("abcdep", [17, 40, 3000, 700, 9, 600])}
+        runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
+        states = _states(rank)
+        runner._state_groups = ([1], STATE_BLOCK, [[SimpleNamespace(kv_cache=tuple(states))]])
+        for layer in layers:
+            layer.kv_cache.zero_()
+        calls.clear()
+        before = len(seen)
+        drafts = {r: [-1] * 3 for r in req_ids if r != "p"}
+        logits_indices, mode, hidden, common = execute_spread_runner(runner, num_new, drafts)
+        whole_ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
+        whole_pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
+        step = runner.pcp_step
+        results[name] = {
+            "hidden": hidden, "expected": _expected(whole_ids, whole_pos), "rows": logits_indices.long(),
+            "owner": None if step.plan is None else step.plan.owner.tolist(), "owned": step.owned,
+            "owned_id": id(step.owned), "calls": dict(calls), "seen": seen[before:], "mode": mode,
+            "common": common, "restored": all(torch.equal(a, b) for a, b in zip(buffers(runner), calls["whole"])),
+            "kv": [(layer.kv_cache[0].reshape(-1, HIDDEN).clone(), layer.kv_cache[1].reshape(-1, HIDDEN).clone())
+                   for layer in layers],
+            "whole": (whole_ids, whole_pos), "states": [x.clone() for x in states],
+            "owners_after": dict(runner.decode_owners.owner)}
+        runner.pcp_step = None
+    GPUModelRunner._prepare_inputs = prepare
+    return results
 
 
 def _same(x, y) -> bool:
@@ -537,7 +627,8 @@ def _same(x, y) -> bool:
 
 def _spread_runs(rank, group):
     """``_spread_steps`` and ``_one_batch_decoding_on`` in one set of rank processes."""
-    return {"steps": _spread_steps(rank, group), "batch": _one_batch_decoding_on(rank, group)}
+    return {"steps": _spread_steps(rank, group), "batch": _one_batch_decoding_on(rank, group),
+            "verification": _verification_steps(rank, group)}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"pcp{n}")
@@ -647,6 +738,62 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
                 for e, src in zip(expected, _states(owner_of.get(r, 0))):
                     e[slot] = src[slot]
             assert all(torch.equal(x, e) for x, e in zip(results[name]["states"], expected)), (name, rank)
+
+
+def test_verification_steps_spread_through_the_runner(spread_runs):
+    """MTP with decode="spread" (``_verification_steps``): each rank verifies its own requests' drafts
+    as vLLM's uniform batch (their accepted-token counts and drafts where the GDN metadata reads them),
+    every row's hidden state and K/V reach every rank, the drafter gets the whole batch's metadata and
+    the buffers' whole values back; a step beside a prompt runs whole after a hand-over."""
+    from vllm.config import CUDAGraphMode
+
+    world_size, ranks = spread_runs[0], [runs["verification"] for runs in spread_runs[1]]
+    for rank, results in enumerate(ranks):
+        owner_of = dict(zip("abcde", results["verify"]["owner"]))
+        assert sorted(np.bincount(list(owner_of.values()), minlength=world_size).tolist()) == (
+            [2, 3] if world_size == 2 else [1, 1, 1, 2])
+        assert results["verify_again"]["owned_id"] == results["verify"]["owned_id"]  # a batch verifying on
+        for name, computed in (("verify", [17, 40, 3000, 700, 9]), ("verify_again", [21, 44, 3004, 704, 13])):
+            step, calls = results[name], results[name]["calls"]
+            owner = np.array(step["owner"])
+            mine = np.flatnonzero(owner == rank)
+            n, most = len(mine), int(np.bincount(owner, minlength=world_size).max())
+            reqs = {1: 1, 2: 2, 3: 4}[most]  # requests of the captured graph the busiest rank's fit in
+            rows = 4 * reqs
+            assert step["owned"].num_rows == rows and step["owned"].query_len == 4 and step["owned"].num_reqs == n
+            assert calls["dispatch"] == (rows, reqs, False, CUDAGraphMode.FULL, rows) and step["mode"] == CUDAGraphMode.FULL
+            meta = calls["metadata"]
+            assert (meta["num_tokens"], meta["num_reqs"], meta["num_tokens_padded"], meta["num_reqs_padded"]) == (
+                4 * n, n, rows, reqs)
+            assert meta["starts"] == meta["host_starts"] == [4 * min(i, n) for i in range(reqs + 1)]
+            assert meta["seq_lens"] == (np.array(computed) + 4 - np.arange(5) % 3)[mine].tolist() + [0] * (reqs - n)
+            assert meta["host_seq_lens"][:n] == (np.array(computed) + 4)[mine].tolist()  # an upper bound
+            accepted, drafts = calls["verification"]
+            assert accepted[:reqs] == [1 + i % 4 for i in mine] + [1] * (reqs - n), (name, rank, accepted)
+            assert drafts[:reqs] == [3] * n + [-1] * (reqs - n)
+            tokens = [4 * i + k for i in mine for k in range(4)]
+            assert meta["slots"][0] == ([t * 11 + 7 for t in tokens] + [-1] * rows)[:reqs]
+            (count, with_ctx), = step["seen"]
+            assert count == rows and not with_ctx
+            # every row of the batch (the rejection sampler and the drafter read them all) is its owner's
+            row_owner = torch.from_numpy(np.repeat(owner, 4))[:, None].double()
+            assert torch.equal(step["hidden"][:20], step["expected"] + row_owner), (name, rank)
+            ids, pos = step["whole"]
+            slots = torch.arange(20) * 11 + 7
+            for j, (k, v) in enumerate(step["kv"]):
+                assert torch.equal(k[slots], _expected(ids, pos) + j) and torch.equal(v[slots], -k[slots])
+            # the drafter's metadata is the whole batch's, built before the heads were written; every
+            # buffer the step wrote holds the whole batch's values again after the forward
+            assert (step["common"].drafter, step["common"].num_tokens, step["common"].num_reqs) == (True, 20, 5)
+            assert step["common"].slots == slots.tolist() and step["restored"], (name, rank)
+        mixed = results["mixed"]
+        assert mixed["owner"] is None and mixed["owned"] is None and mixed["seen"] == [(608, False)]
+        assert set(mixed["owners_after"]) == {"c", "d", "e"}  # a and b handed over, the others kept
+        expected = _states(rank)
+        for r, j in (("a", 0), ("b", 1)):  # all 4 blocks of each, from its owner
+            for e, src in zip(expected, _states(owner_of[r])):
+                e[10 * j: 10 * j + 4] = src[10 * j: 10 * j + 4]
+        assert all(torch.equal(x, e) for x, e in zip(mixed["states"], expected)), rank
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -763,7 +910,7 @@ def test_a_spread_step_dispatched_at_another_size_raises(monkeypatch):
 
     monkeypatch.setattr(GPUModelRunner, "_determine_batch_execution_and_padding", vllm_dispatch)
     runner = object.__new__(PCPModelRunner)
-    runner.pcp_step = SimpleNamespace(owned=SimpleNamespace(num_rows=4, eager=False), plan=None)
+    runner.pcp_step = SimpleNamespace(owned=SimpleNamespace(num_rows=4, eager=False, query_len=1), plan=None)
     whole = dict(num_tokens=9, num_reqs=9, num_scheduled_tokens_np=np.ones(9, dtype=np.int32),
                  max_num_scheduled_tokens=1, use_cascade_attn=False)
     padded = 4
@@ -772,6 +919,11 @@ def test_a_spread_step_dispatched_at_another_size_raises(monkeypatch):
     padded = 8
     with pytest.raises(RuntimeError, match="spread decode step of 4 rows as a batch of 8"):
         runner._determine_batch_execution_and_padding(**whole)
+    # verification rows (MTP, K = 3): two requests' 8 rows, a uniform batch of 4-row queries
+    runner.pcp_step.owned = SimpleNamespace(num_rows=8, eager=False, query_len=4)
+    asked.clear()
+    runner._determine_batch_execution_and_padding(**whole)
+    assert asked == [(8, 2, 4, False)]
 
 
 def test_a_context_for_another_row_count_shares_the_steps_tensors():
@@ -817,10 +969,11 @@ def test_load_model_gives_the_attention_layers_their_kv_stage(monkeypatch, decod
     runner = object.__new__(PCPModelRunner)
     runner.decode_owners = DecodeOwners(2) if decode == "spread" else None
     runner.vllm_config, runner.max_num_reqs, runner.dtype, runner.device = None, 4, torch.float32, torch.device("cpu")
+    runner.uniform_decode_query_len = 3  # MTP with K = 2: 3 verification rows per request
     runner.load_model()
     stages = [runner.model[i].impl.kv_stage for i in (0, 2)]
     if decode == "replicated":
         assert stages == [None, None]
         return
     assert [index for _, index in stages] == [0, 1] and stages[0][0] is stages[1][0] is runner._kv_stage
-    assert runner._kv_stage.rows.shape == (4, 2, 2, 2, 8)
+    assert runner._kv_stage.rows.shape == (4 * 3, 2, 2, 2, 8)

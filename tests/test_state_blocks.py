@@ -1,6 +1,7 @@
 """State blocks that spread decode rows fill (``state_blocks``) on 2 and 4 gloo ranks: every rank's
 slots of the blocks that owned rows fill this step hold their owner's states afterwards, in one
-broadcast per owner; every other slot stays as it was."""
+broadcast per owner; every other slot stays as it was. With MTP, a hand-over sends every block of
+the requests handed over (the drafts' SSM states too), from each one's owner."""
 
 import numpy as np
 import pytest
@@ -76,3 +77,40 @@ def test_no_completed_block_no_collective():
     assert completed_blocks([0, -1, 1], [BS, 2 * BS, BS + 3], BS).tolist() == [0]
     assert share_completed_state_blocks(None, np.array([0, -1]), np.array([BS + 1, BS]), BS, _block_ids,
                                         _caches(0)) == 0
+
+
+def _hand_over(rank, group):
+    """Requests 1 and 3 handed over from the last rank and from rank 0, request 2 not; payloads as large
+    as need be, and of one request each."""
+    from qwen36_pcp.state_blocks import hand_over_request_states
+
+    handover = np.array([-1, group.world_size - 1, -1, 0])
+    out = []
+    for max_payload_bytes in (128 << 20, 1):
+        caches = _caches(rank)
+        sent = hand_over_request_states(group, handover, _block_ids, caches, max_payload_bytes)
+        out.append((sent, [[s.contiguous() for s in states] for states in caches]))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_hand_over_sends_every_block_of_the_request_from_its_owner(world_size):
+    moved = {1: world_size - 1, 3: 0}
+    for rank, runs in enumerate(run_distributed(_hand_over, world_size)):
+        for sent, caches in runs:
+            assert sent == 2  # one per owner; with payloads of one request, still one request each
+            for g, states in enumerate(caches):
+                expected = [s.contiguous().clone() for s in _caches(rank)[g]]
+                for i, src in moved.items():
+                    for slot in _block_ids(i)[g]:  # all three blocks of the request
+                        for e, s in zip(expected, _caches(src)[g]):
+                            e[slot] = s[slot]
+                for got, want in zip(states, expected):
+                    assert torch.equal(got, want), (rank, g)
+    assert run_distributed(_no_hand_over, 2) == [0, 0]
+
+
+def _no_hand_over(rank, group):
+    from qwen36_pcp.state_blocks import hand_over_request_states
+
+    return hand_over_request_states(group, np.array([-1, -1]), _block_ids, _caches(rank))

@@ -69,8 +69,9 @@ def _configs(ckpt):
             "method": "mtp", "num_speculative_tokens": 1}),
         "non_hybrid": dict(hf_overrides={**OVERRIDES, "text_config": {
             "layer_types": ["full_attention"] * 8}}),
-        "spread_mtp": dict(additional_config={"qwen36_pcp": {"decode": "spread"}}, speculative_config={
-            "method": "mtp", "num_speculative_tokens": 1}),
+        "spread_mtp_prefix_caching": dict(additional_config={"qwen36_pcp": {"decode": "spread"}},
+                                          enable_prefix_caching=True, speculative_config={
+                                              "method": "mtp", "num_speculative_tokens": 1}),
         "spread_sharded_experts": dict(additional_config={"qwen36_pcp": {"decode": "spread",
                                                                           "moe_experts": "sharded"}}),
         "lora": dict(enable_lora=True),
@@ -94,6 +95,11 @@ def _configs(ckpt):
     out["spread_prefix_caching"] = engine_config(
         ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2, enable_prefix_caching=True,
         additional_config={"qwen36_pcp": {"decode": "spread"}}).cache_config.mamba_cache_mode
+    # decode="spread" with MTP, prefix caching off: GDN states of the drafts in the blocks vLLM gives them
+    out["spread_mtp"] = engine_config(
+        ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2, enable_prefix_caching=False,
+        additional_config={"qwen36_pcp": {"decode": "spread"}},
+        speculative_config={"method": "mtp", "num_speculative_tokens": 3}).cache_config.mamba_cache_mode
     # the checkpoint's own MTP head is served at pcp > 1 (vLLM's Qwen3.5 MTP drafter)
     mtp = engine_config(ckpt, hf_overrides=OVERRIDES, prefill_context_parallel_size=2,
                         speculative_config={"method": "mtp", "num_speculative_tokens": 3})
@@ -149,7 +155,9 @@ def test_config_resolution_and_startup_errors(tiny_ckpt, fake_cuda_ranks):
     assert "cp_kv_cache_interleave_size" in out["errors"]["mtp_interleave"], out["errors"]["mtp_interleave"]
     assert out["mtp"] == ("mtp", "Qwen3_5MoeMTP", "qwen36_pcp.worker.PCPWorker")
     assert out["mtp_experts_ratio"] == pytest.approx(9 / 8)  # the drafter's layer beside 8 MoE layers
-    assert "decode='spread' together with speculative decoding" in out["errors"]["spread_mtp"]
+    assert "decode='spread' together with speculative decoding and prefix caching" in \
+        out["errors"]["spread_mtp_prefix_caching"]
+    assert out["spread_mtp"] == "none"
     assert out["spread_prefix_caching"] == "align"
     assert "moe_experts='sharded'" in out["errors"]["spread_sharded_experts"]
     assert "non-hybrid" in out["errors"]["non_hybrid"]

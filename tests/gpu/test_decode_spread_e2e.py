@@ -11,7 +11,13 @@ rank against pcp=1 (whose decode every rank of ``decode="replicated"`` repeats):
   another block while it decodes, so vLLM preempts and recomputes requests decoding on one rank;
 - ``compiled`` (pcp = 2, 4, 8; vLLM's defaults: torch.compile and CUDA graphs): 24 requests of mixed
   lengths; every rank's spread decode steps replay vLLM's FULL graph of a batch of its own requests
-  (each rank records the kind of each step: ``step_kinds``), mixed steps run split, eagerly.
+  (each rank records the kind of each step: ``step_kinds``), mixed steps run split, eagerly;
+- ``mtp`` (pcp = 2, 4; compiled, prefix caching off) and ``mtp_eager`` (pcp = 2): MTP with K = 3 on the
+  draftable head (``test_mtp_e2e.draftable_checkpoint``: most drafts accepted, so verification steps
+  with 1 to 4 accepted tokens run) against pcp=1 with MTP: each rank's verification steps of its own
+  requests through vLLM's FULL graph of them, mixed steps whole after a hand-over of their owned
+  requests' states; the accepted-token counters beside the answers, and seeded sampling;
+- ``mtp_preempt`` (eager, pcp = 2): ``preempt``'s small KV cache with MTP.
 A case passes when vLLM's check_logprobs_close rule holds for every prompt with no NaN/Inf; bit for bit
 is not expected (a rank's decode batch is not pcp=1's: flash-attention's split count and the GEMMs'
 kernels follow the row count).
@@ -31,7 +37,9 @@ PREEMPT_PROMPT = 6 * 272 - 12
 PCPS = (1, 2, 4, 8)
 ABORT_DECODE_LENGTHS, ABORT_DECODE_VICTIMS = (3000, 40, 1200, 7, 5000, 600, 2500, 900, 1500), (1, 4)
 # engine -> the pcp sizes it runs at
-ENGINE_PCPS = {"main": PCPS, "preempt": (1, 2, 4), "compiled": PCPS, "prefix": (1, 2, 4)}
+ENGINE_PCPS = {"main": PCPS, "preempt": (1, 2, 4), "compiled": PCPS, "prefix": (1, 2, 4), "mtp": (1, 2, 4),
+               "mtp_eager": (1, 2), "mtp_preempt": (1, 2)}
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 def mixed_lengths(count: int, longest: int) -> list[int]:
@@ -40,9 +48,36 @@ def mixed_lengths(count: int, longest: int) -> list[int]:
 
 
 def _specs() -> dict:
+    from .test_mtp_e2e import draftable_checkpoint
+
     ckpt = e2e.checkpoint("tiny")
     vocab = e2e.vocab_size(ckpt)
+    draftable = draftable_checkpoint()
     return {  # compiled first: the engine pool starts jobs in this order
+        "mtp": {
+            "llm": e2e.base_llm_kwargs(draftable, max_model_len=24000, enable_prefix_caching=False,
+                                       speculative_config=MTP, disable_log_stats=False,
+                                       worker_cls="harness.shared_gpu.StepRecordingWorker"),
+            "engine_core_in_process": True, "record_steps": True,
+            "batches": [e2e.prompt_ids(mixed_lengths(24, 12000), vocab, seed=27)],
+            "actions": ["spec_decode_metrics", "seeded_sampling"],
+        },
+        "mtp_eager": {
+            "llm": e2e.base_llm_kwargs(draftable, enforce_eager=True, max_model_len=24000,
+                                       enable_prefix_caching=False, speculative_config=MTP,
+                                       disable_log_stats=False),
+            "engine_core_in_process": True,
+            "batches": [e2e.prompt_ids((3000,), vocab, seed=28), e2e.prompt_ids(mixed_lengths(40, 8000), vocab, seed=29)],
+            "actions": ["spec_decode_metrics", "max_tokens_one"],
+        },
+        "mtp_preempt": {
+            "llm": e2e.base_llm_kwargs(draftable, enforce_eager=True, max_model_len=4096, disable_log_stats=False,
+                                       enable_prefix_caching=False, speculative_config=MTP,
+                                       kv_cache_memory_bytes=96 << 20),
+            "engine_core_in_process": True, "max_tokens": 48,
+            "batches": [e2e.prompt_ids((PREEMPT_PROMPT,) * 32, vocab, seed=24)],
+            "actions": ["preemptions", "spec_decode_metrics"],
+        },
         "compiled": {
             # each rank records the kind of each step (on the shared GPU its worker does)
             "llm": e2e.base_llm_kwargs(ckpt, max_model_len=24000,
@@ -115,7 +150,7 @@ def test_spread_decode_matches_pcp1(engine_pool):
             res = e2e.result(engine_pool, f"spread_{name}_pcp{pcp}")
             c = e2e.compare(e2e.outputs(ref), e2e.outputs(res))
             c["identical"] = e2e.outputs(ref) == e2e.outputs(res)
-            for action in ("max_tokens_one", "abort_mid_prefill", "preemptions"):
+            for action in ("max_tokens_one", "abort_mid_prefill", "preemptions", "spec_decode_metrics"):
                 if action in res:
                     c[action] = res[action]
             report[f"{name}_pcp{pcp}"] = c
@@ -134,8 +169,14 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 assert abort["ids"] == ref_abort["ids"] == sorted([*kept, "late"]), (ref_abort["ids"], abort["ids"])
                 assert abort["aborted_at"] == ref_abort["aborted_at"], (ref_abort, abort)  # the same batches
                 assert c["abort_mid_decode"]["ok"], c["abort_mid_decode"]
-            if name == "preempt":
+            if name in ("preempt", "mtp_preempt"):
                 assert res["preemptions"] > 0, "the small KV cache preempted nothing"
+            if name.startswith("mtp"):
+                c["spec_decode_metrics_pcp1"] = ref["spec_decode_metrics"]
+                print(f"[spread] {name} pcp{pcp} spec decode: {res['spec_decode_metrics']} "
+                      f"(pcp1: {ref['spec_decode_metrics']})")
+            if name == "mtp":
+                c["seeded_identical"] = ref["seeded_sampling"] == res["seeded_sampling"]  # (reported)
             if name == "prefix":
                 c["prefix"] = prefix_report(ref["answer_prefix_hits"], res["answer_prefix_hits"])
                 print(f"[spread] prefix pcp{pcp}: {c['prefix']}")
@@ -144,7 +185,7 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 # the blocks the answers filled hold the same states, bit for bit, on every rank
                 digests = res["answer_prefix_hits"]["state_digests"]
                 assert len({tuple(d) for d in digests}) == 1 and digests[0][1] >= 6, digests
-            if name == "compiled":
+            if name in ("compiled", "mtp"):
                 c["step_kinds"] = res["step_kinds"]
                 print(f"[spread] compiled pcp{pcp} step kinds per rank: {res['step_kinds']}")
                 # every rank ran its spread decode steps through vLLM's FULL graph of its own requests
