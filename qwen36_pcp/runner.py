@@ -155,10 +155,11 @@ class PCPModelRunner(GPUModelRunner):
             self.attn_groups = groups
 
     def _model_input_heads(self, rows: int) -> list[torch.Tensor]:
-        """The heads of the model's input buffers a spread step writes (``_owned_forward``)."""
+        """The heads of the model's input buffers a spread step writes (``_owned_forward``) that the
+        drafter reads after it (the target's ids and positions; vLLM 0.20.2's drafter reads no
+        embeddings of the runner's, which ``_preprocess`` writes after this is kept)."""
         positions = self.mrope_positions.gpu[:, :rows] if self.uses_mrope else self.positions[:rows]
-        embeds = getattr(self, "inputs_embeds", None)
-        return [self.input_ids.gpu[:rows], positions] + ([embeds.gpu[:rows]] if embeds is not None else [])
+        return [self.input_ids.gpu[:rows], positions]
 
     def _plan(self, num_new: np.ndarray, verifying: bool | None = None) -> tuple[PCPPlan | None, OwnedBatch | None]:
         """The step's plan (None when the step stays whole: no request has enough new tokens to
@@ -189,7 +190,12 @@ class PCPModelRunner(GPUModelRunner):
                 self.input_batch.req_ids[:num_reqs], num_computed, num_new,
                 self.input_batch.num_prompt_tokens[:num_reqs], self.requests,
                 None if verifying is None else np.full(num_reqs, verifying))
-            if verifying is not None:  # every state block of theirs, before the step; no plan reads it
+            if verifying is not None:  # with MTP a step is spread whole or computed whole
+                if not spread_decode_step(owner, num_new):  # (a request of it in a recompute's leftover)
+                    handover = np.where(owner >= 0, owner, handover)
+                    self.decode_owners.release([r for r, o in zip(self.input_batch.req_ids, owner) if o >= 0])
+                    owner = np.full(num_reqs, -1, dtype=np.int64)
+                # every state block of theirs, before the step; no plan reads it
                 self._hand_over_states(handover)
                 handover = np.full(num_reqs, -1, dtype=np.int64)
         if not self.pcp_config.step_splits(num_new, world) and (
@@ -337,21 +343,23 @@ class PCPModelRunner(GPUModelRunner):
         ctx = PCPContext(plan, self.pcp_group, self.device, num_tokens_padded=num_tokens,
                          tensors=owned.step_tensors(plan, self.device))
         idx = ctx.t.local_idx
-        if owned.num_reqs:
-            n = max(num_tokens, owned.num_rows)  # the batch's rows, and the heads the model reads
-            whole = (self.input_ids.gpu[:n] if input_ids is not None else None,
-                     self.mrope_positions.gpu[:, :n] if positions.dim() == 2 else self.positions[:n],
-                     self.inputs_embeds.gpu[:n] if inputs_embeds is not None else None)
-            hidden = super()._model_forward(
-                local_rows(whole[0], idx, 0, in_place=True), local_rows(whole[1], idx, -1, in_place=True),
-                intermediate_tensors, local_rows(whole[2], idx, 0, in_place=True), **model_kwargs)
-        else:  # no request of its own: nothing to compute
-            hidden = torch.zeros(owned.num_rows, self.model_config.get_hidden_size(), dtype=self.dtype,
-                                 device=self.device)
-        for gid, layers in self._attention_layers_by_group():
-            defer_staged_kv(ctx, layers, owned.exchange_slots[gid])
-        out = ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
-        owned.restore_heads()  # (kept for the drafter only)
+        try:
+            if owned.num_reqs:
+                n = max(num_tokens, owned.num_rows)  # the batch's rows, and the heads the model reads
+                whole = (self.input_ids.gpu[:n] if input_ids is not None else None,
+                         self.mrope_positions.gpu[:, :n] if positions.dim() == 2 else self.positions[:n],
+                         self.inputs_embeds.gpu[:n] if inputs_embeds is not None else None)
+                hidden = super()._model_forward(
+                    local_rows(whole[0], idx, 0, in_place=True), local_rows(whole[1], idx, -1, in_place=True),
+                    intermediate_tensors, local_rows(whole[2], idx, 0, in_place=True), **model_kwargs)
+            else:  # no request of its own: nothing to compute
+                hidden = torch.zeros(owned.num_rows, self.model_config.get_hidden_size(), dtype=self.dtype,
+                                     device=self.device)
+            for gid, layers in self._attention_layers_by_group():
+                defer_staged_kv(ctx, layers, owned.exchange_slots[gid])
+            out = ctx.gather_output(hidden, all_rows=self._reads_every_row(False))
+        finally:
+            owned.restore_heads()  # (kept for the drafter only)
         self._share_filled_state_blocks(plan)
         return out
 

@@ -582,8 +582,12 @@ def _verification_steps(rank, group):
     base = {r: 10 * j for j, r in enumerate("abcdep")}  # each request's 4 state blocks from here
     verify = (list("abcde"), [17, 40, 3000, 700, 9], [4] * 5, [17, 40, 3000, 700, 9])
     steps = (("verify", *verify), ("verify_again", verify[0], [c + 4 for c in verify[1]], *verify[2:]),
-             ("mixed", ["a", "b", "p"], [25, 48, 0], [4, 4, 600], [17, 40, 600]))
+             ("mixed", ["a", "b", "p"], [25, 48, 0], [4, 4, 600], [17, 40, 600]),
+             # all verifying, but e's rows are still a recompute's (its owner ended by it): not spread
+             ("verify_recompute", verify[0], [29, 52, 3008, 708, 17], *verify[2:]))
     for name, req_ids, num_computed, num_new, num_prompt in steps:
+        if name == "verify_recompute":
+            runner.decode_owners.prefill_end["e"] = 10 ** 6
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
                                              num_prompt_tokens=np.array(num_prompt), block_table=_BlockTables(),
@@ -794,6 +798,17 @@ def test_verification_steps_spread_through_the_runner(spread_runs):
             for e, src in zip(expected, _states(owner_of[r])):
                 e[10 * j: 10 * j + 4] = src[10 * j: 10 * j + 4]
         assert all(torch.equal(x, e) for x, e in zip(mixed["states"], expected)), rank
+        # a verifying step that does not spread runs whole: every owned request in it handed over first,
+        # a and b (owners again since the step before) too, and none keeps an owner
+        recompute = results["verify_recompute"]
+        assert recompute["owner"] is None and recompute["owners_after"] == {}
+        expected = _states(rank)
+        for r, j in (("c", 2), ("d", 3), ("e", 4)):
+            for e, src in zip(expected, _states(owner_of[r])):
+                e[10 * j: 10 * j + 4] = src[10 * j: 10 * j + 4]
+        for x, e, first in zip(recompute["states"], expected, ranks[0]["verify_recompute"]["states"]):
+            assert torch.equal(x[20:50], e[20:50]), rank
+            assert torch.equal(x[0:4], first[0:4]) and torch.equal(x[10:14], first[10:14]), rank  # a, b: one owner's
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
