@@ -49,12 +49,22 @@ def _shared_args(command: str) -> list[str]:
     return []
 
 
+def _vllm_scripts() -> list[str]:
+    """Where vLLM's ``vllm`` command is when vLLM was installed beside the interpreter rather than into
+    it (``pip install --target DIR``: the command in ``DIR/bin``), so that ``serve.sh`` finds it."""
+    import vllm
+
+    scripts = Path(vllm.__file__).resolve().parents[1] / "bin"
+    return [str(scripts)] if (scripts / "vllm").exists() else []
+
+
 def _quickstart(gpus: str) -> dict:
     commands = readme_commands()
     shared = len(gpus.split(",")) < RANKS
     # the shared-GPU worker class is imported from this repository by every worker
     env = e2e.child_env(gpus, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-                        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+                        PATH=os.pathsep.join([str(Path(sys.executable).parent), *_vllm_scripts(),
+                                              os.environ.get("PATH", "")]),
                         PYTHONPATH=os.pathsep.join([str(e2e.REPO), os.environ.get("PYTHONPATH", "")]))
     steps = []
     server = None
