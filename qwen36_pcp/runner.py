@@ -41,7 +41,7 @@ from .layers.pcp_attention import PCPFlashAttentionImpl
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .owned_batch import KVStage, OwnedBatch, defer_staged_kv
 from .plan import PCPPlan, spread_decode_step
-from .state_blocks import hand_over_request_states, share_completed_state_blocks
+from .state_blocks import MAX_PAYLOAD_BYTES, hand_over_request_states, share_completed_state_blocks
 
 
 @contextlib.contextmanager
@@ -481,12 +481,20 @@ class PCPModelRunner(GPUModelRunner):
         """Every kind of call a split step makes on the PCP group, once, while vLLM profiles memory:
         the communicators (NCCL's, and vLLM's point-to-point connections between each pair of
         consecutive run owners) are set up here, their buffers inside the profile and their setup time
-        outside the first request's."""
+        outside the first request's; with ``decode="spread"`` and GDN states to send (MTP's hand-overs,
+        prefix caching's filled blocks), a state broadcast at its largest."""
         group, world = self.pcp_group, self.pcp_group.world_size
         rank = group.rank_in_group
         x = torch.zeros(1, device=self.device)
         group.all_gather(x, dim=0)
         group.broadcast(x, 0)
+        if self.decode_owners is not None and (self.speculative_config is not None
+                                               or self.cache_config.mamba_cache_mode == "align"):
+            # a GDN state-block broadcast at its bound (``state_blocks``): its sender holds the blocks and
+            # the packed payload at once, so the profile counts twice the bound, not the KV cache
+            held = torch.zeros(2 * MAX_PAYLOAD_BYTES, dtype=torch.uint8, device=self.device)
+            group.broadcast(held[:MAX_PAYLOAD_BYTES], 0)
+            del held
         chain = PCPPlan([0], [self.pcp_config.split_threshold(world)], world, rank, self.pcp_config).summary_runs
         for (src, _, _), (dst, _, _) in zip(chain, chain[1:]):
             if rank == src:

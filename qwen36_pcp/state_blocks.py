@@ -64,11 +64,15 @@ def hand_over_request_states(group, handover: np.ndarray, block_ids: Callable[[i
     With speculative decoding vLLM keeps a decoding request's GDN states in 1 + K blocks (without prefix
     caching: ``mamba_cache_mode="none"``): the conv window in the first, the SSM state after each
     verified position in the others, read at the accepted-token offset that every rank holds alike
-    (``num_accepted_tokens``); all of them go, so every rank reads what the owner would."""
-    reqs = np.flatnonzero(np.asarray(handover) >= 0)
-    return broadcast_state_blocks(group, [int(handover[i]) for i in reqs],
-                                  [[list(block_ids(i)[g]) for g in range(len(caches))] for i in reqs],
-                                  caches, max_payload_bytes)
+    (``num_accepted_tokens``); all of them go, so every rank reads what the owner would. A payload
+    holds whole block columns (at least one: about 63 MiB at Qwen3.6-35B-A3B's shape with fp32 SSM
+    states), never a request's 1 + K at once unless they fit the bound."""
+    items = []  # one per request and block column (every group's block there): payloads stay bounded
+    for i in np.flatnonzero(np.asarray(handover) >= 0):
+        ids = [list(block_ids(int(i))[g]) for g in range(len(caches))]
+        items += [(int(handover[i]), [b[j: j + 1] for b in ids]) for j in range(max(map(len, ids), default=0))]
+    return broadcast_state_blocks(group, [src for src, _ in items], [blocks for _, blocks in items], caches,
+                                  max_payload_bytes)
 
 
 def broadcast_state_blocks(group, sources: Sequence[int], blocks: Sequence[Sequence[Sequence[int]]],

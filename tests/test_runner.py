@@ -909,6 +909,34 @@ def test_a_proposal_that_skips_the_model_raises():
     assert proposer.model is model
 
 
+@pytest.mark.parametrize("decode,mtp,mode,held", [("spread", True, "none", True), ("spread", False, "align", True),
+                                                   ("spread", False, "none", False), ("replicated", True, "align", False)])
+def test_the_memory_profile_holds_a_state_broadcast_where_spread_sends_states(monkeypatch, decode, mtp, mode, held):
+    """With ``decode="spread"`` and GDN states to send (MTP's hand-overs, prefix caching's filled blocks)
+    the profile run broadcasts a state payload at its bound while twice the bound is held (the sender's
+    blocks and packed payload); otherwise nothing beyond the split steps' calls."""
+    import qwen36_pcp.runner as runner_module
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.decode_owners import DecodeOwners
+    from qwen36_pcp.runner import PCPModelRunner
+
+    monkeypatch.setattr(runner_module, "MAX_PAYLOAD_BYTES", 1000)
+    sizes, peak = [], []
+    group = SimpleNamespace(world_size=2, rank_in_group=0, all_gather=lambda x, dim: x, send=lambda x, dst: None,
+                            recv=lambda shape, dtype, src: None,
+                            broadcast=lambda x, src: sizes.append(x.numel()) or x)
+    zeros = torch.zeros
+    monkeypatch.setattr(runner_module.torch, "zeros",
+                        lambda *a, **kw: peak.append(a[0]) or zeros(*a, **kw))
+    runner = object.__new__(PCPModelRunner)
+    runner.pcp_group, runner.pcp_config, runner.device = group, PCPConfig(decode=decode), torch.device("cpu")
+    runner.decode_owners = DecodeOwners(2) if decode == "spread" else None
+    runner.speculative_config = SimpleNamespace() if mtp else None
+    runner.cache_config = SimpleNamespace(mamba_cache_mode=mode)
+    runner._warm_pcp_collectives()
+    assert sizes == ([1, 1000] if held else [1]) and (2000 in peak) == held
+
+
 def test_a_spread_step_dispatched_at_another_size_raises(monkeypatch):
     """A spread decode step's heads, slots and metadata are written for the plan's padded rows: were
     vLLM's dispatch to pad the owned batch otherwise (a vLLM whose padding no longer matches the

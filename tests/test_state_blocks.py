@@ -97,8 +97,8 @@ def _hand_over(rank, group):
 def test_a_hand_over_sends_every_block_of_the_request_from_its_owner(world_size):
     moved = {1: world_size - 1, 3: 0}
     for rank, runs in enumerate(run_distributed(_hand_over, world_size)):
-        for sent, caches in runs:
-            assert sent == 2  # one per owner; with payloads of one request, still one request each
+        for (sent, caches), one_block_payloads in zip(runs, (False, True)):
+            assert sent == (6 if one_block_payloads else 2)  # one per owner, or per block of each request
             for g, states in enumerate(caches):
                 expected = [s.contiguous().clone() for s in _caches(rank)[g]]
                 for i, src in moved.items():
