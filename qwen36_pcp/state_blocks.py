@@ -45,7 +45,8 @@ def share_completed_state_blocks(group, owner: np.ndarray, num_tokens: np.ndarra
     computed tokens after the step); ``block_ids(i)``: request i's block ids, one list per state group
     (vLLM's ``CachedRequestState.block_ids`` of the GDN groups); ``caches``: per state group, every
     state tensor of its layers ([blocks, ...]: each GDN layer's conv and SSM states). A payload holds
-    at most ``max_payload_bytes`` (at least one block: about 31 MiB at Qwen3.6-35B-A3B's shape), so
+    at most ``max_payload_bytes`` (at least one block: about 63 MiB at Qwen3.6-35B-A3B's shape, whose
+    config keeps SSM states in fp32), so
     many requests filling blocks at once take a few broadcasts, not one buffer as large as all their
     states. Returns the number of broadcasts."""
     reqs = completed_blocks(owner, num_tokens, block_size)
@@ -65,8 +66,8 @@ def hand_over_request_states(group, handover: np.ndarray, block_ids: Callable[[i
     caching: ``mamba_cache_mode="none"``): the conv window in the first, the SSM state after each
     verified position in the others, read at the accepted-token offset that every rank holds alike
     (``num_accepted_tokens``); all of them go, so every rank reads what the owner would. A payload
-    holds whole block columns (at least one: about 63 MiB at Qwen3.6-35B-A3B's shape with fp32 SSM
-    states), never a request's 1 + K at once unless they fit the bound."""
+    holds whole block columns (at least one: a block of every GDN layer), never a request's 1 + K at
+    once unless they fit the bound."""
     items = []  # one per request and block column (every group's block there): payloads stay bounded
     for i in np.flatnonzero(np.asarray(handover) >= 0):
         ids = [list(block_ids(int(i))[g]) for g in range(len(caches))]
