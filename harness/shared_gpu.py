@@ -306,8 +306,9 @@ def record_step_kinds(worker) -> None:
     """With ``QWEN36_PCP_RECORD_STEPS=<file>``, each rank appends the kind of each model forward to
     ``<file>.<rank>``, one per line: ``whole`` (an unsplit step), ``owned_full`` / ``owned_piecewise`` /
     ``owned_none`` (a spread decode step: the rank's own requests as vLLM's batch, under that CUDA graph
-    mode) or ``split`` (any other planned step): a test sees which path the steps took, which the
-    answers alone cannot show."""
+    mode) or ``split`` (any other planned step), and ``handover`` before a step whose requests' GDN
+    states go from their owners to every rank first (spread with MTP): a test sees which path the steps
+    took, which the answers alone cannot show."""
     path = os.environ.get(STEPS_ENV)
     runner = getattr(worker, "model_runner", None)
     if not path or runner is None:
@@ -324,7 +325,14 @@ def record_step_kinds(worker) -> None:
         # looked up on each call: whatever wraps the class's method later (``host_phases``) still runs
         return type(runner)._model_forward(runner, *args, **kwargs)
 
+    def handed_over(handover):
+        if (handover >= 0).any():
+            with open(f"{path}.{worker.rank}", "a") as f:
+                f.write("handover\n")
+        return type(runner)._hand_over_states(runner, handover)
+
     runner._model_forward = recorded
+    runner._hand_over_states = handed_over
 
 
 def read_step_kinds(path) -> list[dict]:

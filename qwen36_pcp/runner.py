@@ -186,13 +186,16 @@ class PCPModelRunner(GPUModelRunner):
         num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
         owner = handover = None
         if self.decode_owners is not None:
+            # (with MTP: the requests whose states an owner alone holds before this step)
+            owned_before = np.array([r in self.decode_owners.owner for r in self.input_batch.req_ids[:num_reqs]],
+                                    dtype=bool)
             owner, handover = self.decode_owners.step(
                 self.input_batch.req_ids[:num_reqs], num_computed, num_new,
                 self.input_batch.num_prompt_tokens[:num_reqs], self.requests,
                 None if verifying is None else np.full(num_reqs, verifying))
             if verifying is not None:  # with MTP a step is spread whole or computed whole
                 if not spread_decode_step(owner, num_new):  # (a request of it in a recompute's leftover)
-                    handover = np.where(owner >= 0, owner, handover)
+                    handover = np.where((owner >= 0) & owned_before, owner, handover)
                     self.decode_owners.release([r for r, o in zip(self.input_batch.req_ids, owner) if o >= 0])
                     owner = np.full(num_reqs, -1, dtype=np.int64)
                 # every state block of theirs, before the step; no plan reads it

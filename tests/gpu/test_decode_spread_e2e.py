@@ -194,6 +194,8 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 # the blocks the answers filled hold the same states, bit for bit, on every rank
                 digests = res["answer_prefix_hits"]["state_digests"]
                 assert len({tuple(d) for d in digests}) == 1 and digests[0][1] >= 6, digests
+            if name == "mtp":  # the prompt joining verifying requests took their states from the owners
+                assert all(k.get("handover", 0) > 0 for k in res["step_kinds"]), res["step_kinds"]
             if name in ("compiled", "mtp"):
                 c["step_kinds"] = res["step_kinds"]
                 print(f"[spread] compiled pcp{pcp} step kinds per rank: {res['step_kinds']}")
