@@ -226,11 +226,8 @@ class PCPModelRunner(GPUModelRunner):
         their owners to every rank (``state_blocks.hand_over_request_states``)."""
         if not (handover >= 0).any():
             return
-        group_ids, _, layers = self._gdn_state_groups()
-        req_ids = self.input_batch.req_ids
-        hand_over_request_states(self.pcp_group, handover,
-                                 lambda i: [self.requests[req_ids[i]].block_ids[g] for g in group_ids],
-                                 [[state for layer in group for state in layer.kv_cache] for group in layers])
+        _, block_ids, caches = self._gdn_states()
+        hand_over_request_states(self.pcp_group, handover, block_ids, caches)
 
     def _owned_rows(self, owner: np.ndarray, num_new: np.ndarray) -> int:
         """The batch every rank runs at a spread decode step, in rows: the most requests any rank owns
@@ -371,19 +368,21 @@ class PCPModelRunner(GPUModelRunner):
         step's owned decode rows filled, from their owners to every rank (``state_blocks``)."""
         if self.decode_owners is None or self.cache_config.mamba_cache_mode != "align" or (plan.owner < 0).all():
             return
-        group_ids, block_size, layers = self._gdn_state_groups()
-        req_ids = self.input_batch.req_ids
-        share_completed_state_blocks(
-            self.pcp_group, plan.owner, plan.num_computed + plan.num_new, block_size,
-            lambda i: [self.requests[req_ids[i]].block_ids[g] for g in group_ids],
-            [[state for layer in group for state in layer.kv_cache] for group in layers])
+        block_size, block_ids, caches = self._gdn_states()
+        share_completed_state_blocks(self.pcp_group, plan.owner, plan.num_computed + plan.num_new, block_size,
+                                     block_ids, caches)
 
-    def _gdn_state_groups(self) -> tuple[list[int], int, list[list]]:
-        """The GDN KV-cache groups, their block size and layers, once."""
+    def _gdn_states(self):
+        """What ``state_blocks`` sends GDN states with: the GDN KV-cache groups' block size, request i's
+        block ids in each of them (of this step's batch), and per group every state tensor of its layers
+        (the groups and layers found once)."""
         if not hasattr(self, "_state_groups"):
             group_ids, spec = mamba_utils.get_mamba_groups(self.kv_cache_config)
             self._state_groups = group_ids, spec.block_size, [self._layers_of_group(g) for g in group_ids]
-        return self._state_groups
+        group_ids, block_size, layers = self._state_groups
+        req_ids = self.input_batch.req_ids
+        return (block_size, lambda i: [self.requests[req_ids[i]].block_ids[g] for g in group_ids],
+                [[state for layer in group for state in layer.kv_cache] for group in layers])
 
     def _attention_layers_by_group(self) -> list[tuple[int, list[Attention]]]:
         """The model's attention layers per KV-cache group (the MTP drafter's left out), once."""
