@@ -446,25 +446,31 @@ def _spread_steps(rank, group):
         runner._state_groups = ([1], STATE_BLOCK, [[SimpleNamespace(kv_cache=tuple(states))]])
         for j, r in enumerate(req_ids):
             runner.requests[r].block_ids = ([], list(range(j * 4000, j * 4000 + 2000)))
-        for layer in layers:
-            layer.kv_cache.zero_()
-        calls.clear()
-        before = len(seen)
-        logits_indices, mode, hidden, _ = execute_spread_runner(runner, num_new)
-        whole_ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
-        whole_pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
-        step = runner.pcp_step
-        plan = step.plan
-        results[name] = {
-            "hidden": hidden, "expected": _expected(whole_ids, whole_pos), "rows": logits_indices.long(),
-            "owner": None if plan is None else plan.owner.tolist(), "owned": step.owned,
-            "handovers": None if plan is None else plan.handovers, "calls": dict(calls),
-            "seen": seen[before:], "mode": mode,
+        results[name] = _run_spread_step(runner, layers, seen, calls, states, num_computed, num_new)
+        plan = results[name]["plan"]
+        results[name]["handovers"] = None if plan is None else plan.handovers
+    return results
+
+
+def _run_spread_step(runner, layers, seen, calls, states, num_computed, num_new, drafts=None) -> dict:
+    """One step through a ``_spread_runner`` on cleared caches (``execute_spread_runner``) and what it
+    left: the hidden states and the stand-in model's expected rows, the rows vLLM samples, the plan and
+    its owners, the owned batch, the stand-ins' calls, the model's calls, the graph mode, the drafter's
+    metadata, each attention layer's K/V, the whole batch's ids and positions, the GDN states."""
+    for layer in layers:
+        layer.kv_cache.zero_()
+    calls.clear()
+    before = len(seen)
+    logits_indices, mode, hidden, common = execute_spread_runner(runner, num_new, drafts)
+    whole_ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
+    whole_pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
+    step, runner.pcp_step = runner.pcp_step, None
+    return {"hidden": hidden, "expected": _expected(whole_ids, whole_pos), "rows": logits_indices.long(),
+            "plan": step.plan, "owner": None if step.plan is None else step.plan.owner.tolist(),
+            "owned": step.owned, "calls": dict(calls), "seen": seen[before:], "mode": mode, "common": common,
             "kv": [(layer.kv_cache[0].reshape(-1, HIDDEN).clone(), layer.kv_cache[1].reshape(-1, HIDDEN).clone())
                    for layer in layers],
             "whole": (whole_ids, whole_pos), "states": [x.clone() for x in states]}
-        runner.pcp_step = None
-    return results
 
 
 def execute_spread_runner(runner, num_new: np.ndarray, drafts: dict | None = None):
@@ -597,25 +603,11 @@ def _verification_steps(rank, group):
         runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
         states = _states(rank)
         runner._state_groups = ([1], STATE_BLOCK, [[SimpleNamespace(kv_cache=tuple(states))]])
-        for layer in layers:
-            layer.kv_cache.zero_()
-        calls.clear()
-        before = len(seen)
         drafts = {r: [-1] * 3 for r in req_ids if r != "p"}
-        logits_indices, mode, hidden, common = execute_spread_runner(runner, num_new, drafts)
-        whole_ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
-        whole_pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
-        step = runner.pcp_step
-        results[name] = {
-            "hidden": hidden, "expected": _expected(whole_ids, whole_pos), "rows": logits_indices.long(),
-            "owner": None if step.plan is None else step.plan.owner.tolist(), "owned": step.owned,
-            "owned_id": id(step.owned), "calls": dict(calls), "seen": seen[before:], "mode": mode,
-            "common": common, "restored": all(torch.equal(a, b) for a, b in zip(buffers(runner), calls["whole"])),
-            "kv": [(layer.kv_cache[0].reshape(-1, HIDDEN).clone(), layer.kv_cache[1].reshape(-1, HIDDEN).clone())
-                   for layer in layers],
-            "whole": (whole_ids, whole_pos), "states": [x.clone() for x in states],
-            "owners_after": dict(runner.decode_owners.owner)}
-        runner.pcp_step = None
+        result = _run_spread_step(runner, layers, seen, calls, states, num_computed, num_new, drafts)
+        result.update(owned_id=id(result["owned"]), owners_after=dict(runner.decode_owners.owner),
+                      restored=all(torch.equal(a, b) for a, b in zip(buffers(runner), calls["whole"])))
+        results[name] = result
     GPUModelRunner._prepare_inputs = prepare
     return results
 
