@@ -33,6 +33,13 @@ plugin's runner steps, host busy, no profiler: ``host_phases``). Prints a table,
         --batches 1 8 64   # long contexts: one shared prompt per context from the prefix cache
     python benchmarks/bench_decode_spread.py --out /tmp/ds_profile --configs pcp2_spread pcp1_piecewise \
         --contexts 4096 --profile      # where a step's time goes: torch profiler traces, per rank
+    python benchmarks/bench_decode_spread.py --out /tmp/ds_mtp --mtp --contexts 4096   # verification steps
+
+``--mtp`` runs every config with the checkpoint's MTP head drafting ``bench_mtp.K`` tokens: each step
+verifies 1 + K rows per request (spread: the rank's own requests as vLLM's uniform batch of such
+queries). Dummy weights give random drafts, none accepted, so every step is a full verification step
+of one token per request (``tokens_per_step`` records it). One ``--out`` per setting: the report's
+model takes one layer count and one draft count.
 
 ``--profile`` also records 8 decode steps of 16 requests of 4k tokens under vLLM's torch profiler and
 reports per rank and step: the GPU's busy time against the span of its kernels (the rest: the GPU
@@ -54,6 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/, tests/, harness/
 from benchmarks import bench_ttft, predict_ttft, step_traffic  # noqa: E402
+from benchmarks.bench_mtp import K as MTP_DRAFTS  # noqa: E402
 from benchmarks.plot import log2_axes, save_figure  # noqa: E402
 
 DEFAULT_LAYERS = 8  # --layers
@@ -76,9 +84,11 @@ PROFILE_POINT, PROFILE_STEPS = (4096, 16), 8
 HOST_PROFILE_TOP = 25
 MAX_PREFILL_STEPS = 400
 
-def engine_args(config: str) -> dict:
+def engine_args(config: str, drafts: int = 0) -> dict:
     ranks = CONFIGS[config]
     args = dict(prefill_context_parallel_size=ranks, **bench_ttft.shared_gpu_args(ranks))
+    if drafts:
+        args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": drafts}
     if ranks > 1:
         args["additional_config"] = {"qwen36_pcp": REPLICATED if config.endswith("_replicated") else SPREAD}
     if config == "pcp1_piecewise":  # vLLM's PIECEWISE graphs alone (attention and GDN eager between them)
@@ -112,7 +122,7 @@ def run_until_first_tokens(engine, started: set[str]) -> dict[str, int] | None:
 
 
 def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | None = None,
-            shared_prefix: bool = False, layers: int = DEFAULT_LAYERS) -> None:
+            shared_prefix: bool = False, layers: int = DEFAULT_LAYERS, drafts: int = 0) -> None:
     """{"L/B": {"turn_ms": [per rank], "wall_ms": ms}} into ``path`` after each point; with
     ``trace_dir``, ``PROFILE_STEPS`` steps at ``PROFILE_POINT`` under vLLM's torch profiler too. With
     ``shared_prefix`` (prefix caching on) each context's shared prompt is prefilled once, alone, and
@@ -121,7 +131,9 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     but from blocks the others read too, which the GPU's L2 cache can serve where distinct contexts
     come from HBM (compare a context with and without it); prefix caching also adds its own per-step
     work (vLLM's state copies at block ends, the spread step's state-block broadcasts). Each point
-    records the fewest prompt tokens its new requests read from the cache (``cached_tokens``)."""
+    records the fewest prompt tokens its new requests read from the cache (``cached_tokens``), and the
+    tokens each request gained per measured step (``tokens_per_step``; with ``drafts``: 1 + the drafts
+    accepted)."""
     from vllm import SamplingParams
 
     from benchmarks.host_phases import host_phases, start_host_phases
@@ -132,10 +144,10 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     # bench_ttft's pcp1 engine, made this config's by engine_args (its pcp size, the shared GPU)
     llm = bench_ttft.engine(model, "pcp1", longest, compiled=True, max_num_batched_tokens=32768,
                             max_num_seqs=max(max(b) for b in sweep.values()),
-                            max_model_len=longest + 2048, enable_prefix_caching=shared_prefix, **engine_args(config),
+                            max_model_len=longest + 2048, enable_prefix_caching=shared_prefix, **engine_args(config, drafts),
                             **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
-    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": layers}
+    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": layers, "drafts": drafts}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
         started: set[str] = set()
@@ -158,11 +170,16 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
             for _ in range(WARMUP):
                 engine.step()
             llm.collective_rpc(start_host_phases)
-            marks = [llm.collective_rpc(turn_counters)]
+            marks, generated = [llm.collective_rpc(turn_counters)], {}
             for _ in range(STEPS):
-                engine.step()
+                for o in engine.step():
+                    if o.outputs:
+                        generated.setdefault(o.request_id, []).append(len(o.outputs[0].token_ids))
                 marks.append(llm.collective_rpc(turn_counters))
             point = per_step_medians(marks)
+            # each request's tokens over the steps after its first output here, per step
+            gained = [(n[-1] - n[0]) / (len(n) - 1) for n in generated.values() if len(n) > 1]
+            point["tokens_per_step"] = sum(gained) / len(gained) if gained else None
             point["cached_tokens"] = min((cached[r] for r in new if r in cached), default=None)
             point["phases_ms"] = [{k: ms / STEPS for k, (ms, _) in r.items()}
                                   for r in llm.collective_rpc(host_phases)]
@@ -269,19 +286,21 @@ def graph_rows(rows: int) -> int:
     return next((s for s in sizes if s >= rows), rows)
 
 
-def collectives_ms(n: int, batch: int, attention_layers: int) -> float:
+def collectives_ms(n: int, batch: int, attention_layers: int, drafts: int = 0) -> float:
     """A spread decode step's collectives at pcp=n (``step_traffic`` of its plan, priced as
-    ``predict_ttft`` prices a split step's) in a model of ``attention_layers``."""
+    ``predict_ttft`` prices a split step's) in a model of ``attention_layers``; with ``drafts``, a
+    verification step: 1 + drafts rows per request, every row gathered (the rejection sampler reads
+    them all)."""
     import numpy as np
 
     from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.plan import PCPPlan
 
-    owner = np.arange(batch) % n
-    plan = PCPPlan(np.full(batch, 4096), np.ones(batch), n, 0, PCPConfig(decode="spread"), owner,
-                   min_rows=graph_rows(math.ceil(batch / n)))
+    owner, query = np.arange(batch) % n, 1 + drafts
+    plan = PCPPlan(np.full(batch, 4096), np.full(batch, query), n, 0, PCPConfig(decode="spread"), owner,
+                   min_rows=graph_rows(math.ceil(batch / n) * query))
     shape = predict_ttft.layer_shape(1)
-    calls = step_traffic.attention(plan, shape) * attention_layers + step_traffic.output(plan, shape, False,
+    calls = step_traffic.attention(plan, shape) * attention_layers + step_traffic.output(plan, shape, drafts > 0,
                                                                                         attention_layers)
     return 1e3 * sum(predict_ttft.collective_latency_s(n) + nbytes * (n - 1) / predict_ttft.NVLINK_BYTES_PER_S
                      for _, nbytes, _ in calls)
@@ -410,19 +429,21 @@ def runs(out: str) -> dict:
     return {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS if (Path(out) / f"{c}.json").exists()}
 
 
-def folder_layers(data: dict, out: str, adding: int | None = None) -> int:
-    """The one layer count of the runs in ``data`` (and of a run ``adding`` to them): the report's
-    model terms take one; a folder of runs of different counts is refused."""
-    layers = {d.get("layers", DEFAULT_LAYERS) for d in data.values()}  # runs before --layers had 8
-    layers |= {adding} if adding else set()
-    if len(layers) > 1:
-        raise SystemExit(f"runs of different layer counts in {out}: {sorted(layers)} (one --out per --layers)")
-    return layers.pop() if layers else DEFAULT_LAYERS
+def folder_settings(data: dict, out: str, adding: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The one (layer count, draft count) of the runs in ``data`` (and of a run ``adding`` to them): the
+    report's model terms take one of each; a folder of runs of different settings is refused."""
+    settings = {(d.get("layers", DEFAULT_LAYERS), d.get("drafts", 0)) for d in data.values()}
+    settings |= {adding} if adding else set()
+    if len(settings) > 1:
+        raise SystemExit(f"runs of different (layers, drafts) in {out}: {sorted(settings)} (one --out per "
+                         "--layers and --mtp)")
+    return settings.pop() if settings else (DEFAULT_LAYERS, 0)
 
 
-def rank_bytes(model: str) -> int:
+def rank_bytes(model: str, drafts: int = 0) -> int:
     """One rank's GPU memory, estimated: the checkpoint's bf16 weights (experts, mixers, the embedding
-    and LM head), the KV cache of ``shared_gpu_args`` and ``RANK_ALLOWANCE_BYTES``."""
+    and LM head; with ``drafts`` the MTP head's layer and input projection), the KV cache of
+    ``shared_gpu_args`` and ``RANK_ALLOWANCE_BYTES``."""
     t = json.loads((Path(model) / "config.json").read_text())["text_config"]
     h, layers, period = t["hidden_size"], t["num_hidden_layers"], t["full_attention_interval"]
     ffn = 3 * h * (t["num_experts"] * t["moe_intermediate_size"] + t["shared_expert_intermediate_size"])
@@ -433,14 +454,15 @@ def rank_bytes(model: str) -> int:
     attention = h * ((2 if t.get("attn_output_gate") else 1) * heads + 2 * t["num_key_value_heads"] * t["head_dim"]
                      + heads)  # q (and its gate), k, v in; out
     mixers = layers // period * ((period - 1) * gdn + attention)
-    weights = 2 * (layers * ffn + mixers + 2 * t["vocab_size"] * h)
+    mtp = ffn + attention + 2 * h * h if drafts else 0
+    weights = 2 * (layers * ffn + mixers + mtp + 2 * t["vocab_size"] * h)
     return weights + bench_ttft.shared_gpu_args(1)["kv_cache_memory_bytes"] + RANK_ALLOWANCE_BYTES
 
 
-def check_fits(model: str, configs: list[str], total: int) -> None:
+def check_fits(model: str, configs: list[str], total: int, drafts: int = 0) -> None:
     """Refuses, before any engine starts, configs whose ranks together outgrow the one GPU (``total``
     bytes)."""
-    need = rank_bytes(model)
+    need = rank_bytes(model, drafts)
     over = [c for c in configs if CONFIGS[c] * need > total]
     if over:
         most = max(CONFIGS[c] for c in over)
@@ -462,6 +484,13 @@ def gpu_bytes() -> int | None:
     return int(mib) << 20
 
 
+def tokens_per_step(data: dict) -> str:
+    """The range of the points' tokens per request and step (``measure``), as text."""
+    values = [p["tokens_per_step"] for d in data.values() for k, p in d.items()
+              if "/" in k and p.get("tokens_per_step") is not None]
+    return f"{min(values):.2f} to {max(values):.2f}" if values else "unrecorded"
+
+
 def report(out: str) -> dict:
     """The table (``table.txt``) and plot. Per point, replicated: pcp=1's turn time; spreadN: the slowest
     rank's turn time less its collectives' copies through host memory (``own_ms``; where a run has
@@ -470,9 +499,11 @@ def report(out: str) -> dict:
     step of its ceil(B/N) requests; a spread step at a context not run is predicted as that pcp=1 step
     (the fit, K/V reads included) plus the overhead plus the collective."""
     data = runs(out)
-    layers = folder_layers(data, out)
+    layers, drafts = folder_settings(data, out)
     attention = layers // 4
-    collective = functools.lru_cache(maxsize=None)(collectives_ms)  # each point's plan built once
+    # each point's plan built once
+    collective = functools.lru_cache(maxsize=None)(lambda n, batch, attention: collectives_ms(n, batch, attention,
+                                                                                              drafts))
     base, piecewise = data.get("pcp1", {}), data.get("pcp1_piecewise", {})
     spread = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_spread")}
     control = {CONFIGS[c]: d for c, d in data.items() if c.endswith("_replicated")}
@@ -534,7 +565,9 @@ def report(out: str) -> dict:
     lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {layers} layers, dummy weights, "
              "compiled with CUDA graphs, one H200, ranks taking turns"
              + (f"; prefix caching on, each context's requests one shared prompt but their last {TAIL} tokens "
-                "(--shared-prefix)" if shared else ""),
+                "(--shared-prefix)" if shared else "")
+             + (f"; MTP head drafting {drafts} tokens (--mtp): every step verifies 1 + {drafts} rows per request, "
+                f"random drafts ({tokens_per_step(data)} tokens per request and step)" if drafts else ""),
              "replicated: pcp=1's step (measured turn time; every rank of a replicated decode runs it); "
              + ("piecewise: pcp=1 with vLLM's PIECEWISE graphs alone (measured); " if with_piecewise else "")
              + f"spreadN turn: the slowest rank's turn time (measured); spreadN: its step on a GPU of its own = "
@@ -638,7 +671,7 @@ def report(out: str) -> dict:
 
 
 def child(config: str, model: str, out: str, sweep: dict, profile: bool = False, shared_prefix: bool = False,
-          layers: int = DEFAULT_LAYERS) -> None:
+          layers: int = DEFAULT_LAYERS, drafts: int = 0) -> None:
     from harness.shared_gpu import STEPS_ENV
 
     from harness.shared_gpu import read_step_kinds
@@ -649,7 +682,7 @@ def child(config: str, model: str, out: str, sweep: dict, profile: bool = False,
     os.environ[STEPS_ENV] = str(steps)  # each rank records the kind of each step
     path = str(Path(out) / f"{config}.json")
     trace_dir = str(Path(out) / f"{config}_traces") if profile else None
-    measure(model, config, sweep, path, trace_dir, shared_prefix, layers)
+    measure(model, config, sweep, path, trace_dir, shared_prefix, layers, drafts)
     data = json.loads(Path(path).read_text())
     if trace_dir:
         data["profile"] = summarize_profile(trace_dir)
@@ -671,6 +704,8 @@ def main():
                         help="the model's first layers (whole periods of 3 GDN + 1 attention); at pcp=N every "
                              "rank's weights share the one GPU (about 1.7 GB per layer and rank): configs that "
                              "clearly do not fit are refused before any engine starts (rank_bytes)")
+    parser.add_argument("--mtp", action="store_true",
+                        help=f"every config with the MTP head drafting {MTP_DRAFTS} tokens (see above)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
@@ -680,19 +715,22 @@ def main():
     if args.profile and PROFILE_POINT[1] not in sweep.get(PROFILE_POINT[0], ()):
         parser.error(f"--profile profiles the point L={PROFILE_POINT[0]}, B={PROFILE_POINT[1]}: keep that context")
     if args.child:
-        child(*args.child, args.out, sweep, args.profile, args.shared_prefix, args.layers)
+        child(*args.child, args.out, sweep, args.profile, args.shared_prefix, args.layers,
+              MTP_DRAFTS if args.mtp else 0)
         return
     if not args.report_only:
-        folder_layers({c: d for c, d in runs(args.out).items() if c not in args.configs}, args.out, args.layers)
+        folder_settings({c: d for c, d in runs(args.out).items() if c not in args.configs}, args.out,
+                        (args.layers, MTP_DRAFTS if args.mtp else 0))
         model = bench_ttft.checkpoint(args.out, layers=args.layers)
         if (total := gpu_bytes()) is not None:
-            check_fits(model, args.configs, total)
+            check_fits(model, args.configs, total, MTP_DRAFTS if args.mtp else 0)
         for config in args.configs:
             # a run that fails before its first point leaves no earlier run's numbers in its place
             (Path(args.out) / f"{config}.json").unlink(missing_ok=True)
             argv = [__file__, "--out", args.out, "--layers", str(args.layers), "--contexts", *map(str, args.contexts),
                     *(["--batches", *map(str, args.batches)] if args.batches else []),
                     *(["--profile"] if args.profile else []), *(["--shared-prefix"] if args.shared_prefix else []),
+                    *(["--mtp"] if args.mtp else []),
                     "--child", config, model]
             bench_ttft.run_child(argv, str(Path(args.out) / f"{config}.log"), "race_free", in_process=True,
                                  turns_lock=str(Path(args.out) / "turns.lock"))

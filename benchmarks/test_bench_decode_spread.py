@@ -154,7 +154,22 @@ def test_the_report_prices_its_runs_layers_and_refuses_a_mix(tmp_path):
     assert row["spread2_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 8, 6))
     assert bench.collectives_ms(2, 8, 6) > bench.collectives_ms(2, 8, 2)
     (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "layers": 8, "4096/8": {"turn_ms": [4.0]}}))
-    with pytest.raises(SystemExit, match="different layer counts"):
+    with pytest.raises(SystemExit, match=r"different \(layers, drafts\)"):
+        bench.report(str(tmp_path))
+
+
+def test_an_mtp_run_prices_verification_rows_and_refuses_a_mix(tmp_path):
+    for config in ("pcp1", "pcp2_spread"):
+        (tmp_path / f"{config}.json").write_text(json.dumps(
+            {"config": config, "drafts": 3, "4096/8": {"turn_ms": [4.0, 4.0], "tokens_per_step": 1.0}}))
+    row = bench.report(str(tmp_path))["rows"][0]
+    head = (tmp_path / "table.txt").read_text().splitlines()[0]
+    assert "verifies 1 + 3 rows per request" in head and "1.00 to 1.00 tokens per request" in head
+    # every one of the 4 rows per request gathered, in a graph of 16 rows per rank, not 4
+    assert row["spread2_ms"] == pytest.approx(4.0 + bench.collectives_ms(2, 8, 2, 3))
+    assert bench.collectives_ms(2, 8, 2, 3) > bench.collectives_ms(2, 8, 2)
+    (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "4096/8": {"turn_ms": [4.0]}}))
+    with pytest.raises(SystemExit, match=r"\[\(8, 0\), \(8, 3\)\]"):
         bench.report(str(tmp_path))
 
 
@@ -170,14 +185,17 @@ def test_runs_that_would_mix_layer_counts_or_outgrow_the_gpu_are_refused_before_
         bench.main()
 
     (tmp_path / "pcp1.json").write_text(json.dumps({"config": "pcp1", "layers": 8}))
-    with pytest.raises(SystemExit, match=r"different layer counts in .*: \[8, 24\]"):
+    with pytest.raises(SystemExit, match=r"different \(layers, drafts\) in .*: \[\(8, 0\), \(24, 0\)\]"):
         main("--layers", "24", "--configs", "pcp2_spread")
+    with pytest.raises(SystemExit, match=r"\[\(8, 0\), \(8, 3\)\]"):
+        main("--mtp", "--configs", "pcp2_spread")
     (tmp_path / "pcp1.json").unlink()
     model = bench.bench_ttft.checkpoint(out, layers=24)
     rank = bench.rank_bytes(model)
     # 24 layers of about 1.7 GB of weights per rank, the embedding and LM head (2 GB), the KV cache
     weights = rank - (8 << 30) - bench.RANK_ALLOWANCE_BYTES
     assert 24 * 1.6e9 + 2e9 < weights < 24 * 1.75e9 + 2.1e9
+    assert 1.6e9 < bench.rank_bytes(model, 3) - rank < 1.8e9  # the MTP head: one more layer
     monkeypatch.setattr(bench, "gpu_bytes", lambda: 3 * rank)
     with pytest.raises(SystemExit, match="pcp4_spread: 4 ranks of about 54 GB each do not fit"):
         main("--layers", "24", "--configs", "pcp2_spread", "pcp4_spread")
