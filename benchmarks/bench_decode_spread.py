@@ -4,7 +4,7 @@ of that batch).
 
 Qwen3.6-35B-A3B shape with its first ``--layers`` layers (default 8, 2 x [3 GDN + 1 attention]: four
 ranks' weights fit one GPU; 24 fit two ranks on an H200), dummy weights, vLLM's defaults (torch.compile,
-CUDA graphs). Every rank of an engine runs on one H200 and the ranks take turns
+CUDA graphs). Every rank of an engine runs on one GPU and the ranks take turns
 (``harness/shared_gpu.py``): a rank holds the GPU while it runs and gives it up (its kernels finished)
 while it waits in a collective, so the time it holds the GPU in a step, its **turn time**, is its own
 step on a GPU of its own, host included, collectives left out.
@@ -147,7 +147,8 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                             max_model_len=longest + 2048, enable_prefix_caching=shared_prefix, **engine_args(config, drafts),
                             **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
-    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": layers, "drafts": drafts}
+    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": layers, "drafts": drafts,
+                 "gpu": gpu_query("name") or "?"}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
         started: set[str] = set()
@@ -470,18 +471,29 @@ def check_fits(model: str, configs: list[str], total: int, drafts: int = 0) -> N
                          f"{total / 1e9:.0f} GB; fewer --layers")
 
 
-def gpu_bytes() -> int | None:
-    """The engines' GPU's memory (the first visible one), from nvidia-smi (this process leaves CUDA to
+def gpu_query(field: str) -> str | None:
+    """A field of the engines' GPU (the first visible one) from nvidia-smi (this process leaves CUDA to
     the engines); None without it."""
     import subprocess
 
     first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     try:
-        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first],
-                             capture_output=True, text=True, check=True).stdout.split()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
+        value = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", first],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
         return None
-    return int(mib) << 20
+    return value or None
+
+
+def gpu_bytes() -> int | None:
+    """The engines' GPU's memory, None without nvidia-smi."""
+    mib = gpu_query("memory.total")
+    return int(mib.split()[0]) << 20 if mib else None
+
+
+def gpu_names(data: dict) -> str:
+    """The GPU the runs name (``measure``; runs that name none ran on an H200)."""
+    return " / ".join(sorted({d.get("gpu", "H200").removeprefix("NVIDIA ") for d in data.values()}))
 
 
 def tokens_per_step(data: dict) -> str:
@@ -563,7 +575,7 @@ def report(out: str) -> dict:
                 "collective's copies through host memory (this run did not time them)")
     shared = any(d.get("shared_prefix") for d in data.values())
     lines = [f"Decode step per rank (ms), Qwen3.6-35B-A3B shape, first {layers} layers, dummy weights, "
-             "compiled with CUDA graphs, one H200, ranks taking turns"
+             f"compiled with CUDA graphs, one {gpu_names(data)}, ranks taking turns"
              + (f"; prefix caching on, each context's requests one shared prompt but their last {TAIL} tokens "
                 "(--shared-prefix)" if shared else "")
              + (f"; MTP head drafting {drafts} tokens (--mtp): every step verifies 1 + {drafts} rows per request, "
