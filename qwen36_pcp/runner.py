@@ -29,6 +29,7 @@ import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
 from vllm.distributed import get_pcp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.worker import mamba_utils
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -41,7 +42,8 @@ from .layers.pcp_attention import PCPFlashAttentionImpl
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .owned_batch import KVStage, OwnedBatch, defer_staged_kv
 from .plan import PCPPlan, spread_decode_step
-from .state_blocks import MAX_PAYLOAD_BYTES, hand_over_request_states, share_completed_state_blocks
+from .state_blocks import (MAX_PAYLOAD_BYTES, hand_over_request_states, largest_payload_bytes,
+                           share_completed_state_blocks)
 
 
 @contextlib.contextmanager
@@ -492,10 +494,12 @@ class PCPModelRunner(GPUModelRunner):
         group.broadcast(x, 0)
         if self.decode_owners is not None and (self.speculative_config is not None
                                                or self.cache_config.mamba_cache_mode == "align"):
-            # a GDN state-block broadcast at its bound (``state_blocks``): its sender holds the blocks and
-            # the packed payload at once, so the profile counts twice the bound, not the KV cache
-            held = torch.zeros(2 * MAX_PAYLOAD_BYTES, dtype=torch.uint8, device=self.device)
-            group.broadcast(held[:MAX_PAYLOAD_BYTES], 0)
+            # a GDN state-block broadcast at its largest (``state_blocks``): its sender holds the blocks
+            # and the packed payload at once, so the profile counts twice that, not the KV cache
+            largest = largest_payload_bytes([m for m in self.model.modules() if isinstance(m, MambaBase)],
+                                            MAX_PAYLOAD_BYTES)
+            held = torch.zeros(2 * largest, dtype=torch.uint8, device=self.device)
+            group.broadcast(held[:largest], 0)
             del held
         chain = PCPPlan([0], [self.pcp_config.split_threshold(world)], world, rank, self.pcp_config).summary_runs
         for (src, _, _), (dst, _, _) in zip(chain, chain[1:]):

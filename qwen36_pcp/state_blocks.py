@@ -15,6 +15,7 @@ step can read them. A request fills a block once every ``block_size`` decode ste
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -23,6 +24,15 @@ import torch
 from .layers.context import to_device_all
 
 MAX_PAYLOAD_BYTES = 128 << 20
+
+
+def largest_payload_bytes(state_layers, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> int:
+    """The largest payload a state broadcast sends with these GDN layers (vLLM's ``MambaBase``: their
+    state shapes and dtypes): the bound, or one block column (a block of every layer: the least a
+    payload holds) where that is larger; known before the KV cache is allocated."""
+    column = sum(math.prod(shape) * dtype.itemsize for layer in state_layers
+                 for shape, dtype in zip(layer.get_state_shape(), layer.get_state_dtype()))
+    return max(max_payload_bytes, column)
 
 
 def completed_blocks(owner: np.ndarray, num_tokens: np.ndarray, block_size: int) -> np.ndarray:

@@ -904,28 +904,46 @@ def test_a_proposal_that_skips_the_model_raises():
                                                    ("spread", False, "none", False), ("replicated", True, "align", False)])
 def test_the_memory_profile_holds_a_state_broadcast_where_spread_sends_states(monkeypatch, decode, mtp, mode, held):
     """With ``decode="spread"`` and GDN states to send (MTP's hand-overs, prefix caching's filled blocks)
-    the profile run broadcasts a state payload at its bound while twice the bound is held (the sender's
-    blocks and packed payload); otherwise nothing beyond the split steps' calls."""
+    the profile run broadcasts a state payload at its largest while twice that is held (the sender's
+    blocks and packed payload): the bound, or one block column of the model's GDN layers where that is
+    larger; otherwise nothing beyond the split steps' calls."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
     import qwen36_pcp.runner as runner_module
     from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.decode_owners import DecodeOwners
     from qwen36_pcp.runner import PCPModelRunner
 
+    class StateLayer(torch.nn.Module, MambaBase):  # a GDN layer's states: a bf16 conv window, an fp32 SSM state
+        mamba_type = "gdn_attention"
+
+        def __init__(self, ssm):
+            super().__init__()
+            self.ssm = ssm
+
+        def get_state_shape(self):
+            return (2, 10), (self.ssm,)
+
+        def get_state_dtype(self):
+            return torch.bfloat16, torch.float32
+
     monkeypatch.setattr(runner_module, "MAX_PAYLOAD_BYTES", 1000)
-    sizes, peak = [], []
-    group = SimpleNamespace(world_size=2, rank_in_group=0, all_gather=lambda x, dim: x, send=lambda x, dst: None,
-                            recv=lambda shape, dtype, src: None,
-                            broadcast=lambda x, src: sizes.append(x.numel()) or x)
     zeros = torch.zeros
-    monkeypatch.setattr(runner_module.torch, "zeros",
-                        lambda *a, **kw: peak.append(a[0]) or zeros(*a, **kw))
-    runner = object.__new__(PCPModelRunner)
-    runner.pcp_group, runner.pcp_config, runner.device = group, PCPConfig(decode=decode), torch.device("cpu")
-    runner.decode_owners = DecodeOwners(2) if decode == "spread" else None
-    runner.speculative_config = SimpleNamespace() if mtp else None
-    runner.cache_config = SimpleNamespace(mamba_cache_mode=mode)
-    runner._warm_pcp_collectives()
-    assert sizes == ([1, 1000] if held else [1]) and (2000 in peak) == held
+    # a column of 2 x (40 + 4 * ssm) bytes: 480 (the bound is larger), 1600 (one column is)
+    for ssm, largest in ((50, 1000), (190, 1600)):
+        sizes, peak = [], []
+        group = SimpleNamespace(world_size=2, rank_in_group=0, all_gather=lambda x, dim: x,
+                                send=lambda x, dst: None, recv=lambda shape, dtype, src: None,
+                                broadcast=lambda x, src: sizes.append(x.numel()) or x)
+        monkeypatch.setattr(runner_module.torch, "zeros", lambda *a, **kw: peak.append(a[0]) or zeros(*a, **kw))
+        runner = object.__new__(PCPModelRunner)
+        runner.pcp_group, runner.pcp_config, runner.device = group, PCPConfig(decode=decode), torch.device("cpu")
+        runner.decode_owners = DecodeOwners(2) if decode == "spread" else None
+        runner.speculative_config = SimpleNamespace() if mtp else None
+        runner.cache_config = SimpleNamespace(mamba_cache_mode=mode)
+        runner.model = torch.nn.Sequential(StateLayer(ssm), torch.nn.Linear(1, 1), StateLayer(ssm))
+        runner._warm_pcp_collectives()
+        assert sizes == ([1, largest] if held else [1]) and (2 * largest in peak) == held
 
 
 def test_a_spread_step_dispatched_at_another_size_raises(monkeypatch):
