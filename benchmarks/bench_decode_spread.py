@@ -726,6 +726,8 @@ def main():
     sweep = {c: tuple(b for b in SWEEP[c] if not args.batches or b in args.batches) for c in args.contexts}
     if args.profile and PROFILE_POINT[1] not in sweep.get(PROFILE_POINT[0], ()):
         parser.error(f"--profile profiles the point L={PROFILE_POINT[0]}, B={PROFILE_POINT[1]}: keep that context")
+    if args.mtp and args.shared_prefix:
+        parser.error("--mtp with --shared-prefix: spread decode with MTP is refused with prefix caching")
     if args.child:
         child(*args.child, args.out, sweep, args.profile, args.shared_prefix, args.layers,
               MTP_DRAFTS if args.mtp else 0)
