@@ -188,9 +188,10 @@ class PCPModelRunner(GPUModelRunner):
         num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
         owner = handover = None
         if self.decode_owners is not None:
-            # (with MTP: the requests whose states an owner alone holds before this step)
-            owned_before = np.array([r in self.decode_owners.owner for r in self.input_batch.req_ids[:num_reqs]],
-                                    dtype=bool)
+            # (at a verifying step: the requests whose states an owner alone holds before it; any other
+            # step gives no request an owner)
+            owned_before = (np.array([r in self.decode_owners.owner for r in self.input_batch.req_ids[:num_reqs]],
+                                     dtype=bool) if verifying else np.zeros(num_reqs, dtype=bool))
             owner, handover = self.decode_owners.step(
                 self.input_batch.req_ids[:num_reqs], num_computed, num_new,
                 self.input_batch.num_prompt_tokens[:num_reqs], self.requests,
