@@ -33,7 +33,7 @@ def _timed_spread_steps(rank, group, steps_log):
     for step in range(STEPS):
         spread_decode_step(runner, 8, step)
     gc.collect(1)  # a collection during the timing: timed by its generation
-    return host_phases.host_phases(), dict(Counter(Path(f"{steps_log}.{rank}").read_text().split()))
+    return host_phases.host_phases(), dict(Counter(line.split()[0] for line in Path(f"{steps_log}.{rank}").read_text().splitlines()))
 
 
 def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases_it_calls(tmp_path):

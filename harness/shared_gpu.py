@@ -302,13 +302,19 @@ class StepRecordingWorker(PCPWorker):
         record_step_kinds(self)
 
 
+LONG_PROMPT = 8192  # tokens: a prompt this long or longer counts as long in the step records
+
+
 def record_step_kinds(worker) -> None:
     """With ``QWEN36_PCP_RECORD_STEPS=<file>``, each rank appends the kind of each model forward to
     ``<file>.<rank>``, one per line: ``whole`` (an unsplit step), ``owned_full`` / ``owned_piecewise`` /
     ``owned_none`` (a spread decode step: the rank's own requests as vLLM's batch, under that CUDA graph
-    mode) or ``split`` (any other planned step), and ``handover`` before a step whose requests' GDN
-    states go from their owners to every rank first (spread with MTP): a test sees which path the steps
-    took, which the answers alone cannot show."""
+    mode), ``split_verify`` (a planned step with verification rows: drafts verified beside a prompt) or
+    ``split`` (any other planned step), and ``handover`` before a step whose requests' GDN states go from
+    their owners to every rank first (spread with MTP): a test sees which path the steps took, which the
+    answers alone cannot show. A forward's line also counts its tokens (``step_tokens``): ``prompt=``
+    the prompt tokens it computes, ``split=`` those of split requests, ``long=`` / ``long_split=`` the
+    same of prompts of ``LONG_PROMPT`` tokens or more, ``verify=`` its verification rows."""
     path = os.environ.get(STEPS_ENV)
     runner = getattr(worker, "model_runner", None)
     if not path or runner is None:
@@ -318,10 +324,12 @@ def record_step_kinds(worker) -> None:
         from vllm.forward_context import get_forward_context
 
         step = getattr(runner, "pcp_step", None)
-        kind = ("whole" if step is None or step.plan is None else "split" if step.owned is None
+        plan = None if step is None else step.plan
+        kind = ("whole" if plan is None else
+                ("split_verify" if plan.verify.any() else "split") if step.owned is None
                 else f"owned_{get_forward_context().cudagraph_runtime_mode.name.lower()}")
         with open(f"{path}.{worker.rank}", "a") as f:
-            f.write(kind + "\n")
+            f.write(f"{kind} {_step_tokens(runner, plan)}\n")
         # looked up on each call: whatever wraps the class's method later (``host_phases``) still runs
         return type(runner)._model_forward(runner, *args, **kwargs)
 
@@ -335,13 +343,51 @@ def record_step_kinds(worker) -> None:
     runner._hand_over_states = handed_over
 
 
+def _step_tokens(runner, plan) -> str:
+    """A forward's token counts (``record_step_kinds``), from what the runner holds on the host."""
+    import numpy as np
+
+    batch = getattr(runner, "input_batch", None)
+    n = getattr(batch, "num_reqs", None)
+    if n is None or not hasattr(batch, "num_prompt_tokens"):  # (a stand-in runner)
+        return ""
+    num_new = np.diff(runner.query_start_loc.np[: n + 1]).astype(np.int64)
+    num_prompt = batch.num_prompt_tokens[:n].astype(np.int64)
+    prompt = np.clip(num_prompt - batch.num_computed_tokens_cpu[:n], 0, num_new)
+    split = plan.split if plan is not None else np.zeros(n, dtype=bool)
+    verify = plan.num_new[plan.verify].sum() if plan is not None else 0
+    long = num_prompt >= LONG_PROMPT
+    return (f"prompt={prompt.sum()} split={prompt[split].sum()} long={prompt[long].sum()} "
+            f"long_split={prompt[long & split].sum()} verify={verify}")
+
+
 def read_step_kinds(path) -> list[dict]:
     """Per rank, how many model forwards of each kind ``record_step_kinds`` wrote to ``<path>.<rank>``."""
     from collections import Counter
+
+    return [dict(Counter(line.split()[0] for line in lines if line)) for lines in _step_lines(path)]
+
+
+def read_step_tokens(path) -> list[dict]:
+    """Per rank, per kind, the token counts ``record_step_kinds`` wrote, summed."""
+    out = []
+    for lines in _step_lines(path):
+        sums: dict[str, dict[str, int]] = {}
+        for line in lines:
+            kind, *fields = line.split()
+            kind_sums = sums.setdefault(kind, {})
+            for field in fields:
+                key, value = field.split("=")
+                kind_sums[key] = kind_sums.get(key, 0) + int(value)
+        out.append(sums)
+    return out
+
+
+def _step_lines(path) -> list[list[str]]:
     from pathlib import Path
 
     path = Path(path)
-    return [dict(Counter(f.read_text().split())) for f in sorted(path.parent.glob(path.name + ".*"))]
+    return [f.read_text().splitlines() for f in sorted(path.parent.glob(path.name + ".*"))]
 
 
 _host_staged = False

@@ -24,12 +24,13 @@ Where another rank could read a decoding request's state, and what happens there
   and a later request hitting the prefix reads a full block's state on every rank: after the step in
   which an owned row fills its block, the owner broadcasts that block's states (``state_blocks``);
 - speculative decoding (MTP): a request's decode rows are its verification rows (its last token and
-  its drafts), and a step of such rows alone, as many per request, is spread: each owner runs vLLM's
-  own verification of its requests (``owned_batch``), their states and accepted-token offsets on it
-  alone. Any other step with an owned request's rows (beside a prompt, or with another number of
-  drafts) is computed whole by every rank as without spread: its owned requests are handed over first
-  (every state block of theirs: the drafts' too, ``state_blocks.hand_over_request_states``) and get an
-  owner again at the next spread step. With prefix caching this is refused at startup (``checks``).
+  its drafts, a request vLLM's GDN layers verify). A step of such rows alone, as many per request, is
+  spread: each owner runs vLLM's own verification of its requests (``owned_batch``), their states and
+  accepted-token offsets on it alone. At any other step (a prompt beside them, other draft counts) each
+  verifying request stays with its owner, which verifies it in the step's plan; an owned request that
+  is not verifying at a step (a recompute's leftover, a step with no drafts at all) is handed over first
+  (every state block of its, the drafts' too: ``state_blocks.hand_over_request_states``) and gets an
+  owner again when it verifies. With prefix caching this is refused at startup (``checks``).
 """
 
 from __future__ import annotations

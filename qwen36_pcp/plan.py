@@ -20,6 +20,12 @@ hidden state are the ones kept on every rank, so a split step leaves the same ca
 With ``decode="spread"`` a decoding request is *owned* instead (``owner``, from ``decode_owners``):
 only its owner computes its row; its K/V is still written on every rank, its GDN states only on the
 owner, where they stay while it decodes.
+
+With speculative decoding a request vLLM's GDN layers *verify* (``verify``: past its prompt, drafts
+scheduled in the step) is never split: its 1 + K rows are computed whole (replicated, or on its owner)
+and come first in the rank's local layout, where the GDN layers run vLLM's own verification kernels on
+them; the other requests' GDN work is the plan of those requests alone (``gdn_plan``). vLLM reads the
+last 1 + K rows of such a request (``num_read``: its logits rows), the last row of any other.
 """
 
 from __future__ import annotations
@@ -49,12 +55,13 @@ class Segment:
 
 @dataclass(frozen=True)
 class SampleRows:
-    """Where each request's last new token (the row vLLM samples from) is gathered from.
+    """Where the rows vLLM samples from (each request's last ``num_read`` new tokens: its last token,
+    and with drafts every verified one) are gathered from.
 
-    ``full``: its row in the runner's batch; ``send``: the local row this rank sends for it (its own
-    copy where it holds the primary one, else row 0 as filler, so that every rank sends ``num_reqs``
+    ``full``: each such row in the runner's batch; ``send``: the local row this rank sends for it (its
+    own copy where it holds the primary one, else row 0 as filler, so that every rank sends as many
     rows); ``pick``: the row of ``all_gather(local[send])`` that holds the primary copy
-    (``owner * num_reqs + request``)."""
+    (``owner * len(full) + j``)."""
 
     full: np.ndarray
     send: np.ndarray
@@ -123,6 +130,8 @@ class PCPPlan:
         owner: np.ndarray | None = None,
         handover: np.ndarray | None = None,
         min_rows: int = 1,
+        verify: np.ndarray | None = None,
+        num_read: np.ndarray | None = None,
     ):
         self.num_computed = np.asarray(num_computed, dtype=np.int64)
         self.num_new = np.asarray(num_new, dtype=np.int64)
@@ -140,7 +149,17 @@ class PCPPlan:
         self.num_tokens = int(self.req_start[-1])
         self.num_blocks = config.num_blocks(self.world_size)
         threshold = config.split_threshold(self.world_size)
-        self.split = (self.num_new >= threshold) & (self.world_size > 1)
+        # the requests vLLM's GDN layers verify (its spec path): computed whole, never split
+        self.verify = (np.zeros(self.num_reqs, dtype=bool) if verify is None
+                       else np.asarray(verify, dtype=bool).reshape(-1))
+        # rows vLLM reads at the end of each request's new tokens (its logits rows)
+        self.num_read = (np.ones(self.num_reqs, dtype=np.int64) if num_read is None
+                         else np.asarray(num_read, dtype=np.int64).reshape(-1))
+        if self.verify.shape != self.num_new.shape or self.num_read.shape != self.num_new.shape:
+            raise ValueError("verify and num_read must give one value per request")
+        if ((self.num_read < 1) | (self.num_read > self.num_new)).any():
+            raise ValueError("num_read must be between 1 and each request's new tokens")
+        self.split = (self.num_new >= threshold) & (self.world_size > 1) & ~self.verify
         self.split_reqs = np.flatnonzero(self.split)
         # the rank that alone computes each request (decode="spread"), -1: replicated or split
         self.owner = self._request_ranks(owner, self.split, "owner must give each request a rank, or -1 "
@@ -148,8 +167,9 @@ class PCPPlan:
         # the rank holding the primary copy of an unsplit request: its owner, else rank 0
         self.whole_rank = np.maximum(self.owner, 0)
         # the rank whose GDN states of a request every rank needs first (``DecodeOwners``), -1: none
-        handover = self._request_ranks(handover, self.owner >= 0,
-                                       "handover must name a rank only for requests without an owner")
+        handover = self._request_ranks(handover, (self.owner >= 0) | self.verify,
+                                       "handover must name a rank only for requests without an owner that "
+                                       "are not verified")
         self.handovers = [(int(i), int(handover[i])) for i in np.flatnonzero(handover >= 0)]
         self.block_bounds = {
             int(i): block_bounds(int(self.num_new[i]), self.num_blocks) for i in self.split_reqs
@@ -167,6 +187,7 @@ class PCPPlan:
         a token later): nothing a plan builds or caches depends on ``num_computed``; what does
         (``attention_seqs``, ``conv_sources``, the state indices) is derived from it on each call."""
         other = copy.copy(self)
+        other.__dict__.pop("_unverified", None)  # built from the counts
         other.num_computed = np.asarray(num_computed, dtype=np.int64)
         if other.num_computed.shape != self.num_new.shape:
             raise ValueError("num_computed must give one count per request of the plan")
@@ -181,10 +202,13 @@ class PCPPlan:
 
     # ------------------------------------------------------------------ layout
     def _segments_of(self, r: int) -> list[Segment]:
-        """Replicated requests first, then the requests rank r owns, then rank r's runs of blocks in
-        chain order, each run request by request (``run_rows``: a run's rows are contiguous, a
-        request's blocks in it adjacent)."""
-        whole = np.flatnonzero(~self.split & (self.owner < 0)).tolist() + np.flatnonzero(self.owner == r).tolist()
+        """The verified requests rank r computes first (``verified_on``), then the other replicated
+        requests, then the others rank r owns, then rank r's runs of blocks in chain order, each run
+        request by request (``run_rows``: a run's rows are contiguous, a request's blocks in it
+        adjacent)."""
+        rest = ~self.verify
+        whole = (self.verified_on(r).tolist() + np.flatnonzero(rest & ~self.split & (self.owner < 0)).tolist()
+                 + np.flatnonzero(rest & (self.owner == r)).tolist())
         segs = [Segment(int(i), 0, int(self.num_new[i]), -1) for i in whole]
         for owner, first, last in self.summary_runs:
             if owner != r:
@@ -216,6 +240,40 @@ class PCPPlan:
         self.gathered_of_full[flat_full[flat_primary]] = np.flatnonzero(flat_primary)
         assert (self.gathered_of_full >= 0).all(), "a scheduled token has no primary copy"
 
+    def verified_on(self, r: int | None = None) -> np.ndarray:
+        """The verified requests rank r computes, in batch order: every replicated one, and the ones
+        it owns."""
+        r = self.rank if r is None else r
+        return np.flatnonzero(self.verify & ((self.owner < 0) | (self.owner == r)))
+
+    def verify_rows(self, r: int | None = None) -> int:
+        """Rank r's leading local rows that are verification rows (``verified_on``)."""
+        return int(self.num_new[self.verified_on(r)].sum())
+
+    @property
+    def gdn_plan(self) -> PCPPlan | None:
+        """The plan of the requests whose GDN work the PCP layers do (all but the verified ones, in
+        batch order, numbered as vLLM's GDN metadata numbers its non-speculative requests): on rank r
+        its local rows are the full plan's after ``verify_rows(r)``. This plan itself where no request
+        is verified; None where every one is."""
+        return self._unverified if self.verify.any() else self
+
+    @cached_property
+    def _unverified(self) -> PCPPlan | None:
+        """``gdn_plan`` where a request is verified (built once; None where none is, or all are)."""
+        keep = np.flatnonzero(~self.verify)
+        if not self.verify.any() or not len(keep):
+            return None
+        return PCPPlan(self.num_computed[keep], self.num_new[keep], self.world_size, self.rank, self.config,
+                       self.owner[keep], self.handover_ranks()[keep])
+
+    def handover_ranks(self) -> np.ndarray:
+        """Per request the rank its GDN states are handed over from (``handovers``), -1: none."""
+        ranks = np.full(self.num_reqs, -1, dtype=np.int64)
+        for req, src in self.handovers:
+            ranks[req] = src
+        return ranks
+
     # ------------------------------------------------------------ convenience
     @property
     def splits_any(self) -> bool:
@@ -223,8 +281,9 @@ class PCPPlan:
 
     @cached_property
     def num_replicated(self) -> int:
-        """Requests every rank computes (first in every rank's local layout)."""
-        return int((~self.split & (self.owner < 0)).sum())
+        """Requests every rank computes whole, verified ones left out (first in every rank's local
+        layout after the verified ones)."""
+        return int((~self.split & (self.owner < 0) & ~self.verify).sum())
 
     @cached_property
     def decode_spread_only(self) -> bool:
@@ -249,11 +308,14 @@ class PCPPlan:
         return self.gathered_of_full[last_full] // self.t_pad
 
     def sample_rows(self) -> SampleRows:
-        """The rows vLLM samples from (each request's last new token) and where they are gathered from."""
-        full = self.req_start[1:] - 1
-        owner = self.last_token_owner()
+        """The rows vLLM samples from (each request's last ``num_read`` new tokens) and where they are
+        gathered from."""
+        ends = self.req_start[1:]
+        full = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, self.num_read)]).astype(np.int64) \
+            if self.num_reqs else np.zeros(0, dtype=np.int64)
+        owner = self.gathered_of_full[full] // self.t_pad
         send = np.where(owner == self.rank, self.gathered_of_full[full] % self.t_pad, 0)
-        pick = owner * self.num_reqs + np.arange(self.num_reqs)
+        pick = owner * len(full) + np.arange(len(full))
         return SampleRows(full, send, pick)
 
     # -------------------------------------------------- attention (per rank)

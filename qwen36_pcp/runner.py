@@ -68,6 +68,15 @@ def pcp1_block_tables():
 
 
 @dataclass(frozen=True)
+class StepDrafts:
+    """A step's speculative drafts as the plan needs them (``PCPModelRunner._step_drafts``)."""
+
+    verify: np.ndarray | None  # per request: vLLM's GDN layers verify it (None: no request has drafts)
+    num_read: np.ndarray  # per request: the rows vLLM reads (1 + its drafts)
+    uniform: bool  # vLLM's uniform batch of verifications (a spread step with decode="spread")
+
+
+@dataclass(frozen=True)
 class PCPStep:
     """What the runner decided for this step, once, after ``_prepare_inputs``."""
 
@@ -112,9 +121,9 @@ class PCPModelRunner(GPUModelRunner):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self.draft_ctx = None  # set again by a split step whose drafter splits (_model_forward)
-        verifying = (self._verification_step(scheduler_output, num_scheduled_tokens)
-                     if self.speculative_config is not None else None)
-        plan, owned = self._plan(num_scheduled_tokens, verifying)
+        drafts = (self._step_drafts(scheduler_output, num_scheduled_tokens)
+                  if self.speculative_config is not None else None)
+        plan, owned = self._plan(num_scheduled_tokens, drafts)
         drafter_metadata = None
         if owned is not None:
             keep = ()
@@ -125,20 +134,25 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_step = PCPStep(plan, logits_indices, owned, drafter_metadata)
         return logits_indices, spec_decode_metadata
 
-    def _verification_step(self, scheduler_output, num_new: np.ndarray) -> bool:
-        """Whether every request of the step is verifying drafts, as many as the drafter makes (1 + K
-        rows each, vLLM's uniform decode batch): with ``decode="spread"`` a spread step. vLLM's own rule
-        for a verification row (``num_decode_draft_tokens``): its request past its prompt, with drafts
-        scheduled."""
+    def _step_drafts(self, scheduler_output, num_new: np.ndarray) -> StepDrafts:
+        """The step's drafts as vLLM's runner and GDN layers see them: each request's logits rows (its
+        last token and its drafts), which requests the GDN layers verify (vLLM's builder's rule: past
+        the prompt with drafts scheduled, ``num_decode_draft_tokens >= 0``, where any has drafts), and
+        (``decode="spread"``) whether the step is vLLM's uniform decode batch of verifications (every
+        request 1 + K rows)."""
         num_reqs = len(num_new)
+        num_read = np.ones(num_reqs, dtype=np.int64)
         drafts = scheduler_output.scheduled_spec_decode_tokens
-        if num_reqs == 0 or len(drafts) != num_reqs or not (num_new == self.uniform_decode_query_len).all():
-            return False
-        index = self.input_batch.req_id_to_index
-        rows = np.array([index[r] for r in drafts], dtype=np.int64)
-        lens = np.array([len(d) for d in drafts.values()], dtype=np.int64)
-        past_prompt = self.input_batch.num_computed_tokens_cpu[rows] >= self.input_batch.num_prompt_tokens[rows]
-        return bool(past_prompt.all() and (num_new[rows] == lens + 1).all())
+        verify = None
+        if drafts:
+            index = self.input_batch.req_id_to_index
+            num_read[[index[r] for r in drafts]] += [len(d) for d in drafts.values()]
+            decode_drafts = self.num_decode_draft_tokens.np[:num_reqs]  # written by vLLM's _prepare_inputs
+            if decode_drafts[decode_drafts >= 0].sum() > 0:
+                verify = decode_drafts >= 0
+        uniform = (self.decode_owners is not None and verify is not None and bool(verify.all())
+                   and bool((num_new == self.uniform_decode_query_len).all()) and bool((num_read == num_new).all()))
+        return StepDrafts(verify, num_read, uniform)
 
     def _drafter_metadata(self, scheduler_output, num_new: np.ndarray):
         """The whole batch's common metadata for the drafter's KV-cache group, built by vLLM's own
@@ -163,61 +177,56 @@ class PCPModelRunner(GPUModelRunner):
         positions = self.mrope_positions.gpu[:, :rows] if self.uses_mrope else self.positions[:rows]
         return [self.input_ids.gpu[:rows], positions]
 
-    def _plan(self, num_new: np.ndarray, verifying: bool | None = None) -> tuple[PCPPlan | None, OwnedBatch | None]:
+    def _plan(self, num_new: np.ndarray, drafts: StepDrafts | None = None) -> tuple[PCPPlan | None, OwnedBatch | None]:
         """The step's plan (None when the step stays whole: no request has enough new tokens to
-        split and (``decode="spread"``) none decodes, or (speculative decoding) a request is past its
-        prompt. With ``decode="spread"`` each decode row goes to its request's owner
-        (``decode_owners``), and a step that hands a request's states over from its owner is planned
-        (the GDN layers broadcast them first) even when nothing splits. A spread decode step (every
-        row owned) runs each rank's own requests as vLLM's batch (``owned_batch``), every rank's plan
-        padded to the size of the batch the busiest rank runs (``_owned_rows``). Such a plan and batch
-        depend on the owners and that size alone (every row one token: its request's position), so the
-        next spread decode step with the same ones reuses them at its own computed-token counts
-        (``PCPPlan.with_computed``; the batch's device rows and step tensors built once).
+        split and (``decode="spread"``) none decodes). With ``decode="spread"`` each decode row goes
+        to its request's owner (``decode_owners``), and a step that hands a request's states over from
+        its owner is planned (the GDN layers broadcast them first) even when nothing splits. A spread
+        decode step (every row owned) runs each rank's own requests as vLLM's batch (``owned_batch``),
+        every rank's plan padded to the size of the batch the busiest rank runs (``_owned_rows``). Such
+        a plan and batch depend on the owners and that size alone (every row one token: its request's
+        position), so the next spread decode step with the same ones reuses them at its own
+        computed-token counts (``PCPPlan.with_computed``; the batch's device rows and step tensors built
+        once).
 
-        With speculative decoding, a step with any row past its prompt (decode rows, the drafts'
-        verification rows) stays whole: the GDN layers keep those rows' states in a separate index
-        space with accepted-token offsets, and under async scheduling the host's ``num_computed_tokens`` of a decoding request
-        counts drafts not yet verified (vLLM corrects it on the GPU after the step is launched), so the
-        plan, made on the host, is exact only for prompt tokens. With ``decode="spread"`` a step of
-        verification rows alone (``verifying``) is a spread step like any other (the owned batch then
-        vLLM's verification batch of its requests); every other step with an owned request's rows is
-        computed whole, the requests handed over first (``_hand_over_states``)."""
+        With speculative decoding (``drafts``) the requests vLLM's GDN layers verify are computed whole
+        beside the split ones (``PCPPlan(verify=...)``), replicated or (spread) on their owners, and the
+        rows vLLM reads are each request's logits rows. Under async scheduling the host's
+        ``num_computed_tokens`` of a request that had drafts counts them as accepted until vLLM corrects
+        it on the GPU: the plan's own use of it is exact (such a request is never split, its keys come
+        from vLLM's device lengths, ``StepTensors.build``; its GDN state is read by vLLM's kernels at the
+        accepted offset on the device). A step whose requests past their prompt have no drafts anywhere
+        in it (vLLM's non-speculative decode path, with the widened conv state) stays whole. With
+        ``decode="spread"`` owned requests' states go to every rank before any step that computes them
+        whole (``_hand_over_states``), as at a step of decode rows without drafts."""
         world = self.pcp_group.world_size
         num_reqs = len(num_new)
         num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        verify = None if drafts is None else drafts.verify
         owner = handover = None
         if self.decode_owners is not None:
-            # (at a verifying step: the requests whose states an owner alone holds before it; any other
-            # step gives no request an owner)
-            owned_before = (np.array([r in self.decode_owners.owner for r in self.input_batch.req_ids[:num_reqs]],
-                                     dtype=bool) if verifying else np.zeros(num_reqs, dtype=bool))
+            decode_rows = None if drafts is None else (np.zeros(num_reqs, dtype=bool) if verify is None else verify)
             owner, handover = self.decode_owners.step(
                 self.input_batch.req_ids[:num_reqs], num_computed, num_new,
-                self.input_batch.num_prompt_tokens[:num_reqs], self.requests,
-                None if verifying is None else np.full(num_reqs, verifying))
-            if verifying is not None:  # with MTP a step is spread whole or computed whole
-                if not spread_decode_step(owner, num_new):  # (a request of it in a recompute's leftover)
-                    handover = np.where((owner >= 0) & owned_before, owner, handover)
-                    self.decode_owners.release([r for r, o in zip(self.input_batch.req_ids, owner) if o >= 0])
-                    owner = np.full(num_reqs, -1, dtype=np.int64)
-                # every state block of theirs, before the step; no plan reads it
+                self.input_batch.num_prompt_tokens[:num_reqs], self.requests, decode_rows)
+            if drafts is not None:  # every state block of theirs, before the step; no plan reads it
                 self._hand_over_states(handover)
                 handover = np.full(num_reqs, -1, dtype=np.int64)
-        if not self.pcp_config.step_splits(num_new, world) and (
-                owner is None or not ((owner >= 0).any() or (handover >= 0).any())):
+        splits = self.pcp_config.step_splits(num_new if verify is None else num_new[~verify], world)
+        if not splits and (owner is None or not ((owner >= 0).any() or (handover >= 0).any())):
             return None, None
-        spread = spread_decode_step(owner, num_new)
-        if self.speculative_config is not None and not spread and np.any(
+        if drafts is not None and verify is None and np.any(
                 num_computed + num_new > self.input_batch.num_prompt_tokens[:num_reqs]):
             return None, None
+        spread = spread_decode_step(owner, num_new) and (drafts is None or drafts.uniform)
         rows = self._owned_rows(owner, num_new) if spread else 0
         key = (owner.tobytes(), rows, int(num_new[0])) if rows else None
         if key is not None and self._owned_batch is not None and self._owned_batch[0] == key:
             _, plan, owned = self._owned_batch
             return plan.with_computed(num_computed), owned
         plan = PCPPlan(num_computed, num_new, world, self.pcp_group.rank_in_group, self.pcp_config, owner,
-                       handover, min_rows=abs(rows))
+                       handover, min_rows=abs(rows), verify=verify,
+                       num_read=None if drafts is None else drafts.num_read)
         if key is None:
             return plan, None
         owned = OwnedBatch.of(plan, plan.t_pad, eager=rows < 0, device_lens=self.speculative_config is not None)
@@ -320,7 +329,9 @@ class PCPModelRunner(GPUModelRunner):
             return self._owned_forward(step, input_ids, positions, intermediate_tensors, inputs_embeds,
                                        **model_kwargs)
         full = input_ids if input_ids is not None else inputs_embeds
-        ctx = PCPContext(step.plan, self.pcp_group, full.device, num_tokens_padded=full.shape[0])
+        # with drafts the whole requests' key counts come from vLLM's device lengths (StepTensors.build)
+        seq_lens = self.seq_lens[: step.plan.num_reqs] if self.speculative_config is not None else None
+        ctx = PCPContext(step.plan, self.pcp_group, full.device, num_tokens_padded=full.shape[0], seq_lens=seq_lens)
         idx = ctx.t.local_idx
         with running_step(ctx):
             hidden = super()._model_forward(local_rows(input_ids, idx, 0), local_rows(positions, idx, -1),

@@ -262,6 +262,8 @@ def _plain(x):
 
     if isinstance(x, np.ndarray):
         return x.tolist()
+    if isinstance(x, PCPPlan):
+        return _plan_state(x)
     if dataclasses.is_dataclass(x):
         return _plain(vars(x))
     if isinstance(x, dict):
@@ -305,3 +307,49 @@ def test_a_plan_at_other_computed_counts_is_that_plan_built_anew(owner):
         assert reused.num_computed.tolist() == before.tolist()  # the plan itself unchanged
     with pytest.raises(ValueError, match="one count per request"):
         reused.with_computed(np.array([1, 2]))
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("spread", [False, True])
+def test_verified_requests_come_first_and_the_others_plan_is_the_rest(world_size, spread):
+    """With MTP verification rows beside split prompts: the verified requests (replicated, or on their
+    owners) are never split and lead each rank's rows; after them each rank's rows are exactly those of
+    the plan of the other requests (``gdn_plan``, numbered as vLLM numbers its non-speculative
+    requests); vLLM reads every verification row and each other request's last row, from its primary
+    copy."""
+    rng = np.random.default_rng(world_size)
+    config = PCPConfig(min_split_tokens=64)
+    num_new = np.array([4, 5000, 4, 1100, 1, 4, 9000, 2])
+    num_computed = np.array([900, 0, 20, 0, 40, 7000, 4096, 0])
+    verify = np.array([True, False, True, False, False, True, False, False])
+    owner = np.where(verify, rng.integers(0, world_size, len(num_new)), -1) if spread else None
+    num_read = np.where(verify, num_new, 1)
+    for rank in range(world_size):
+        plan = PCPPlan(num_computed, num_new, world_size, rank, config, owner, verify=verify, num_read=num_read)
+        assert not plan.split[verify].any() and plan.split.tolist() == [False, True, False, True, False, False,
+                                                                         True, False]
+        mine = [i for i in np.flatnonzero(verify) if owner is None or owner[i] == rank]
+        assert plan.verified_on().tolist() == mine and plan.verify_rows() == 4 * len(mine)
+        assert [s.req for s in plan.local_segments[: len(mine)]] == mine
+        rest = plan.gdn_plan
+        keep = np.flatnonzero(~verify)
+        assert rest.num_new.tolist() == num_new[keep].tolist() and rest.num_computed.tolist() == num_computed[keep].tolist()
+        n, skip = rest.num_local_tokens, plan.verify_rows()
+        assert plan.num_local_tokens == skip + n
+        # the same rows in the same order: the other plan's tokens are the full batch's of its requests
+        to_full = np.concatenate([plan.req_start[i] + np.arange(num_new[i]) for i in keep])
+        assert plan.local_full_idx[rank][skip: skip + n].tolist() == to_full[rest.local_full_idx[rank][:n]].tolist()
+        rows = plan.sample_rows()
+        ends = plan.req_start[1:]
+        assert rows.full.tolist() == [r for i, e in enumerate(ends) for r in range(e - num_read[i], e)]
+        primary = plan.gathered_of_full[rows.full] // plan.t_pad
+        request = np.repeat(np.arange(8), num_read)
+        verified_on = owner[request] if spread else np.zeros(len(request), dtype=int)
+        assert (primary[verify[request]] == verified_on[verify[request]]).all()
+        assert (rows.pick == primary * len(rows.full) + np.arange(len(rows.full))).all()
+    all_verified = PCPPlan([9, 9], [4, 4], world_size, 0, config, verify=np.array([True, True]))
+    assert all_verified.gdn_plan is None and PCPPlan([0], [300], world_size, 0, config).gdn_plan is not None
+    with pytest.raises(ValueError, match="not verified"):
+        PCPPlan([9, 0], [4, 300], world_size, 0, config, handover=np.array([1, -1]), verify=np.array([True, False]))
+    with pytest.raises(ValueError, match="num_read"):
+        PCPPlan([9, 0], [4, 300], world_size, 0, config, verify=np.array([True, False]), num_read=np.array([5, 1]))

@@ -121,7 +121,9 @@ def _steps(rank, group):
             ("mtp_decode", [17, 0], [1, 3000], [17, 3000], False, mtp, {})):
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12),
-                                             num_prompt_tokens=np.array(num_prompt + [0] * 12))
+                                             num_prompt_tokens=np.array(num_prompt + [0] * 12),
+                                             req_id_to_index={f"req{i}": i for i in range(len(num_new))})
+        _vllm_step_buffers(runner, num_computed, num_new, num_prompt, scheduled_drafts)
         runner.num_prompt_logprobs = {"req": 5} if logprobs else {}
         runner.speculative_config = spec
         scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens=scheduled_drafts)
@@ -144,6 +146,22 @@ def _steps(rank, group):
     results["drafts"] = runner.propose_draft_token_ids()
     results["drafter"] = _drafter_steps(runner, rank)
     return results
+
+
+def _vllm_step_buffers(runner, num_computed, num_new, num_prompt, drafts: dict, rejected=()) -> None:
+    """What vLLM's ``_prepare_inputs`` leaves in the runner's buffers that the plan reads with MTP: each
+    request's drafts past its prompt (-1: none, or not past it) and the sequence lengths on the device,
+    which under async scheduling hold the previous step's rejected drafts (``rejected`` per request)
+    less than the host counts."""
+    decode_drafts = np.full(16, -1, dtype=np.int32)
+    for req_id, d in drafts.items():
+        i = int(req_id[3:])
+        if num_computed[i] >= num_prompt[i]:
+            decode_drafts[i] = len(d)
+    runner.num_decode_draft_tokens = SimpleNamespace(np=decode_drafts)
+    lens = np.array(num_computed) + np.array(num_new) - np.pad(np.array(rejected, dtype=np.int64),
+                                                               (0, len(num_new) - len(rejected)))
+    runner.seq_lens = torch.from_numpy(np.pad(lens, (0, 16 - len(lens)))).to(torch.int32)
 
 
 def _image_step(runner, seen, dispatched):
@@ -183,7 +201,7 @@ class _Drafter(torch.nn.Module):
 
     def __init__(self, rank: int):
         super().__init__()
-        self.rank, self.calls = rank, []
+        self.rank, self.calls, self.contexts = rank, [], []
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -196,6 +214,7 @@ class _Drafter(torch.nn.Module):
         ctx = current_pcp_context()
         rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         self.calls.append((rows, ctx is not None, get_forward_context().cudagraph_runtime_mode))
+        self.contexts.append(ctx)
         out = hidden_states + _expected(input_ids, positions, inputs_embeds)
         noise = torch.full((out.shape[0],), float(self.rank), dtype=out.dtype)
         if ctx is not None:
@@ -240,8 +259,8 @@ def _drafter_steps(runner, rank):
     text = {"input_ids": ids, "positions": pos, "inputs_embeds": None}
     vision = {"input_ids": None, "positions": mrope, "inputs_embeds": embeds}
 
-    def step(new, inputs, ends=last, propose: bool = True):
-        runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens={}), new)
+    def step(new, inputs, ends=last, propose: bool = True, drafts: dict | None = None):
+        runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens=drafts or {}), new)
         with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
             hidden = runner._model_forward(**inputs)
         plan = runner.pcp_step.plan
@@ -249,18 +268,37 @@ def _drafter_steps(runner, rank):
         if not propose:
             return None
         first, second = runner.propose_draft_token_ids(hidden, inputs, ends)
-        calls = list(drafter.calls)
+        calls, contexts = list(drafter.calls), list(drafter.contexts)
         drafter.calls.clear()
-        return {"hidden": hidden, "first": first, "second": second, "calls": calls,
+        drafter.contexts.clear()
+        return {"hidden": hidden, "first": first, "second": second, "calls": calls, "plan": plan,
+                "seqused_k": None if contexts[0] is None else contexts[0].t.seqused_k.tolist(),
                 "t_pad": plan.t_pad if plan else None, "model_back": runner.drafter.model is drafter,
                 "local": plan.local_full_idx[rank][:plan.num_local_tokens].copy() if plan else None}
 
     out = {}
     try:
+        _vllm_step_buffers(runner, num_computed, num_new, [3000, 12000], {})
         for name, mode, inputs in (("split", "split", text), ("whole", "whole", text),
                                    ("split_vision", "split", vision)):
             runner.pcp_config = dataclasses.replace(runner.pcp_config, mtp_first_pass=mode)
             out[name] = step(num_new, inputs)
+        # a request verifying 2 drafts (3 rows) beside the two prompts: the host counts its previous
+        # step's 2 rejected drafts as accepted, vLLM's device lengths do not
+        runner.pcp_config = dataclasses.replace(runner.pcp_config, mtp_first_pass="split")
+        verify_new, verify_computed = np.array([3, *num_new], dtype=np.int32), [20, *num_computed]
+        runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(verify_computed + [0] * 12),
+                                             num_prompt_tokens=np.array([17, 3000, 12000] + [0] * 12),
+                                             req_id_to_index={"req0": 0, "req1": 1, "req2": 2})
+        _vllm_step_buffers(runner, verify_computed, verify_new, [17, 3000, 12000], {"req0": [7, 8]}, rejected=[2])
+        verify_ids = torch.cat([torch.tensor([90, 91, 92]), ids])
+        verify_pos = torch.cat([torch.tensor([18, 19, 20]), pos])
+        verify_last = torch.cat([torch.arange(3), last + 3])
+        out["verify"] = step(verify_new, {"input_ids": verify_ids, "positions": verify_pos, "inputs_embeds": None},
+                             verify_last, drafts={"req0": [7, 8]})
+        out["verify_target"], out["verify_read"] = _expected(verify_ids, verify_pos), verify_last
+        runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12),
+                                             num_prompt_tokens=np.array([3000, 12000] + [0] * 12))
         step(num_new, text, propose=False)  # its drafter does not run (the input did not fit it)
         runner.input_batch.num_computed_tokens_cpu[:2] = [3000, 8192]
         out["after"] = step(np.array([1, 1], dtype=np.int32), {"input_ids": ids[last], "positions": pos[last] + 1,
@@ -782,24 +820,40 @@ def test_verification_steps_spread_through_the_runner(spread_runs):
             # buffer the step wrote holds the whole batch's values again after the forward
             assert (step["common"].drafter, step["common"].num_tokens, step["common"].num_reqs) == (True, 20, 5)
             assert step["common"].slots == slots.tolist() and step["restored"], (name, rank)
+        # a prompt beside two verifying requests: they stay with their owners, which verify them in the
+        # step's plan (their 4 rows first on the owner, then the prompt's rows on every rank); nothing is
+        # handed over
         mixed = results["mixed"]
-        assert mixed["owner"] is None and mixed["owned"] is None and mixed["seen"] == [(608, False)]
-        assert set(mixed["owners_after"]) == {"c", "d", "e"}  # a and b handed over, the others kept
-        expected = _states(rank)
-        for r, j in (("a", 0), ("b", 1)):  # all 4 blocks of each, from its owner
-            for e, src in zip(expected, _states(owner_of[r])):
-                e[10 * j: 10 * j + 4] = src[10 * j: 10 * j + 4]
-        assert all(torch.equal(x, e) for x, e in zip(mixed["states"], expected)), rank
-        # a verifying step that does not spread runs whole: every request an owner held before it handed
-        # over first (c, d; e by its recompute), none keeps an owner; a and b, whole on every rank since
-        # the step before, are given owners by the step and released, their states not sent
+        mine = [owner_of["a"], owner_of["b"]]
+        assert mixed["owner"] == mine + [-1] and mixed["owned"] is None
+        assert mixed["seen"] == [(600 + 4 * max(mine.count(r) for r in range(world_size)), True)], rank
+        assert mixed["plan"].verify.tolist() == [True, True, False] and mixed["plan"].verify_rows() == 4 * mine.count(rank)
+        assert set(mixed["owners_after"]) == set("abcde")
+        assert all(torch.equal(x, e) for x, e in zip(mixed["states"], _states(rank))), rank
+        _check_read_rows(mixed, [range(0, 4), range(4, 8), [607]])
+        # every request verifying, e's rows still a recompute's (its owner ended by it): e is handed over
+        # (every state block of its owner's) and verified on every rank; the others stay with their owners
         recompute = results["verify_recompute"]
-        assert recompute["owner"] is None and recompute["owners_after"] == {}
+        owners = [owner_of[r] for r in "abcd"]
+        assert recompute["owner"] == owners + [-1] and recompute["owned"] is None
+        assert recompute["plan"].gdn_plan is None  # every request verified: no GDN work of the PCP path
+        assert recompute["seen"] == [(4 + 4 * max(owners.count(r) for r in range(world_size)), True)], rank
+        assert recompute["owners_after"] == {r: owner_of[r] for r in "abcd"}
         expected = _states(rank)
-        for r, j in (("c", 2), ("d", 3), ("e", 4)):
-            for e, src in zip(expected, _states(owner_of[r])):
-                e[10 * j: 10 * j + 4] = src[10 * j: 10 * j + 4]
+        for e, src in zip(expected, _states(owner_of["e"])):
+            e[40:44] = src[40:44]
         assert all(torch.equal(x, e) for x, e in zip(recompute["states"], expected)), rank
+        _check_read_rows(recompute, [range(4 * i, 4 * i + 4) for i in range(5)])
+
+
+def _check_read_rows(step: dict, read: list) -> None:
+    """The rows of a planned step are their primary copies' (the stand-in model's rows without a rank's
+    noise): the verifying requests' 4 rows from their owners, a prompt's from rank 0; the stand-in has
+    no drafter that splits its first pass, so every row is gathered (vLLM's drafter reads them all)."""
+    hidden, expected = step["hidden"], step["expected"]
+    rows = torch.tensor([r for rs in read for r in rs])
+    assert torch.equal(hidden[rows], expected[rows])
+    assert torch.equal(hidden[: expected.shape[0]], expected)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -837,10 +891,17 @@ def test_split_and_unsplit_steps_through_the_runner(world_size):
         assert cont["split"] == [True, True]
         n = cont["expected"].shape[0] - 4
         assert torch.equal(cont["hidden"][:n], cont["expected"][:n]), rank
-        # a step with drafts, or with a request past its prompt, stays whole
-        for name in ("mtp_drafts", "mtp_decode"):
-            assert results[name]["split"] is None and not results[name]["force_eager"], name
-            assert results[name]["seen"] == (3007 if name == "mtp_drafts" else 3005, False)
+        # a request verifying drafts beside a prompt: the prompt splits, the verification rows are
+        # computed whole (every row from its primary copy: the stand-in's drafter is not split)
+        drafts = results["mtp_drafts"]
+        assert drafts["split"] == [False, True] and drafts["force_eager"]
+        assert drafts["seen"] == (drafts["t_pad"], True)
+        n = drafts["expected"].shape[0] - 4
+        assert torch.equal(drafts["hidden"][:n], drafts["expected"][:n]), rank
+        # a request past its prompt without drafts anywhere in the step (vLLM's non-speculative decode
+        # path) keeps the step whole
+        assert results["mtp_decode"]["split"] is None and not results["mtp_decode"]["force_eager"]
+        assert results["mtp_decode"]["seen"] == (3005, False)
         # images: each rank ran its rows of inputs_embeds and of the [3, T] positions; every row back
         images = results["images"]
         assert images["split"] == [True, True] and images["force_eager"] and images["seen"] == (images["t_pad"], True)
@@ -885,6 +946,24 @@ def _check_drafter(d: dict, rank: int) -> None:
     assert torch.equal(vision["first"][last], 2 * target[last]), rank
     # a split step whose drafter did not run leaves nothing behind: the next step's first pass is whole
     assert d["after"]["calls"][0] == (2, False, CUDAGraphMode.PIECEWISE)
+    # verification rows beside split prompts: the verifying request whole and first on every rank, its
+    # keys vLLM's device length (21, not the host's 23: two drafts of its previous step rejected); the
+    # target's gather and the first pass's bring every row vLLM reads (its 3 rows, the prompts' last)
+    # from the primary copies, and nothing else
+    verify, target, read = d["verify"], d["verify_target"], d["verify_read"]
+    plan = verify["plan"]
+    assert plan.split.tolist() == [False, True, True] and plan.verify.tolist() == [True, False, False]
+    assert plan.local_full_idx[rank][:3].tolist() == [0, 1, 2] and plan.verify_rows() == 3
+    assert verify["seqused_k"][0] == 21 and plan.attention_seqs().seqused_k[0] == 23
+    kept = torch.zeros(target.shape[0], dtype=torch.bool)
+    kept[torch.from_numpy(verify["local"])], kept[read] = True, True
+    assert torch.equal(verify["hidden"][kept], target[kept]), rank
+    assert not verify["hidden"][~kept].any()
+    assert verify["calls"][0] == (verify["t_pad"], True, CUDAGraphMode.NONE)
+    assert torch.equal(verify["first"][read], 2 * target[read]), rank
+    others = torch.ones(target.shape[0], dtype=torch.bool)
+    others[read] = False
+    assert not verify["first"][others].any()
 
 
 def test_a_proposal_that_skips_the_model_raises():

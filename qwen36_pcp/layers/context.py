@@ -143,15 +143,22 @@ class StepTensors:
         return int(self.seg_req.shape[0])
 
     @classmethod
-    def build(cls, plan: PCPPlan, device: torch.device) -> StepTensors:
+    def build(cls, plan: PCPPlan, device: torch.device, seq_lens: torch.Tensor | None = None) -> StepTensors:
+        """``seq_lens``: each request's sequence length after the step on the device (vLLM's, which it
+        corrects there under async scheduling with drafts): a whole request's segment sees that many
+        keys. A split request's segments see the host's count, exact for them: a request with drafts
+        is never split, and only the previous step's drafts make the host's count run ahead."""
         seqs = plan.attention_seqs()
         local = plan.local_full_idx[plan.rank].copy()
         local[local < 0] = 0
         lens = np.diff(seqs.cu_q)
         rows = plan.sample_rows()
-        segments, local_idx, gathered_full_idx, gathered_of_full, seqused_k, seg_req, *sample = Varlen.of_all(
+        whole = np.array([s.block < 0 for s in plan.local_segments], dtype=bool)
+        segments, local_idx, gathered_full_idx, gathered_of_full, seqused_k, seg_req, whole, *sample = Varlen.of_all(
             [seqs.cu_q], device, local, plan.gathered_full_idx(), plan.gathered_of_full,
-            (seqs.seqused_k, torch.int32), seqs.reqs, rows.full, rows.send, rows.pick)
+            (seqs.seqused_k, torch.int32), seqs.reqs, (whole, torch.bool), rows.full, rows.send, rows.pick)
+        if seq_lens is not None and len(seqs.reqs):
+            seqused_k = torch.where(whole, seq_lens.index_select(0, seg_req).to(torch.int32), seqused_k)
         return cls(
             local_idx=local_idx,
             gathered_full_idx=gathered_full_idx,
@@ -191,6 +198,18 @@ class StatePassingIndex:
 
 
 @dataclass(frozen=True)
+class VerifiedRows:
+    """The verification rows this rank computes (first in its local rows): ``num_reqs`` requests,
+    ``rows`` rows; ``picks``: their places among the step's verified requests (None: all of them, in
+    order), ``query_start`` [num_reqs + 1] their local bounds (device)."""
+
+    rows: int
+    num_reqs: int
+    picks: torch.Tensor | None
+    query_start: torch.Tensor
+
+
+@dataclass(frozen=True)
 class RelayRun:
     """One of this rank's runs of adjacent blocks: local rows [lo, hi), one sequence per split request."""
 
@@ -222,7 +241,7 @@ class PCPContext:
     """
 
     def __init__(self, plan: PCPPlan, group, device: torch.device | str, num_tokens_padded: int | None = None,
-                 tensors: StepTensors | None = None):
+                 tensors: StepTensors | None = None, seq_lens: torch.Tensor | None = None):
         if group.world_size != plan.world_size or group.rank_in_group != plan.rank:
             raise ValueError(
                 f"plan is for rank {plan.rank}/{plan.world_size}, group is "
@@ -234,11 +253,14 @@ class PCPContext:
         self.num_tokens_padded = plan.num_tokens if num_tokens_padded is None else int(num_tokens_padded)
         if self.num_tokens_padded < plan.num_tokens:
             raise ValueError("num_tokens_padded is smaller than the number of scheduled tokens")
-        self.t = StepTensors.build(plan, self.device) if tensors is None else tensors  # (a spread decode
-        # step's, built once per batch: ``OwnedBatch.step_tensors``)
+        # (a spread decode step's, built once per batch: ``OwnedBatch.step_tensors``)
+        self.t = StepTensors.build(plan, self.device, seq_lens) if tensors is None else tensors
         self._conv: dict[int, ConvIndex] = {}
         self.collectives: list[Collective] = []
         self.deferred_kv: list[DeferredKV] = []  # written by gather_output
+        # what a layer derives once per step from vLLM's metadata, by the metadata object's id (the
+        # object kept beside it, so that the id stays its own)
+        self.derived: dict[int, tuple] = {}
 
     def for_rows(self, num_tokens_padded: int) -> PCPContext:
         """This step's context for a call over ``num_tokens_padded`` rows (another model over the same
@@ -254,6 +276,30 @@ class PCPContext:
     @property
     def config(self) -> PCPConfig:
         return self.plan.config
+
+    @cached_property
+    def gdn(self) -> PCPContext | None:
+        """The context the GDN layers' PCP path runs with: this one where no request is verified, else
+        one of ``plan.gdn_plan`` (the other requests; their rows follow this rank's ``verified.rows``
+        verification rows), its collectives counted here. None: every request is verified."""
+        sub = self.plan.gdn_plan
+        if sub is self.plan or sub is None:
+            return self if sub is not None else None
+        other = PCPContext(sub, self.group, self.device)
+        other.collectives = self.collectives
+        return other
+
+    @cached_property
+    def verified(self) -> VerifiedRows:
+        """The verification rows at the head of this rank's rows (``PCPPlan.verified_on``)."""
+        plan = self.plan
+        mine = plan.verified_on()
+        order = np.cumsum(plan.verify) - 1  # each verified request's place among them (vLLM's spec order)
+        starts = np.concatenate([[0], np.cumsum(plan.num_new[mine])])
+        every = len(mine) == int(plan.verify.sum())
+        picks, starts_dev = self.to_device_all(order[mine], (starts, torch.int32))
+        return VerifiedRows(rows=int(starts[-1]), num_reqs=len(mine), picks=None if every else picks,
+                            query_start=starts_dev)
 
     @property
     def world_size(self) -> int:

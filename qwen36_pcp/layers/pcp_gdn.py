@@ -2,11 +2,15 @@
 
 Only the core (conv + gated delta rule) changes: projections, gated norm and out_proj run on the local
 tokens as usual. Steps without a PCP context (pcp == 1, unsplit steps, profiling) take vLLM's path,
-and so does a spread decode step, on this rank's rows.
+and so does a spread decode step, on this rank's rows. At a planned step with speculative decoding the
+verification rows (first in the rank's rows) take vLLM's own path too, with vLLM's metadata of the
+requests this rank verifies; the other rows take the PCP path.
 The mode comes from the step's PCP config (``PCPContext.config``), the one place it is set.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
@@ -44,17 +48,58 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         if ctx is None:
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
         meta = get_forward_context().attn_metadata[self.prefix]
-        state_idx = meta.non_spec_state_indices_tensor[: ctx.plan.num_reqs].long()
-        if ctx.plan.handovers:
-            hand_over_states(ctx, self.kv_cache[:2], state_idx)
+        gdn = ctx.gdn  # the requests whose GDN work is split or replicated here (all but the verified)
+        state_idx = None if gdn is None else meta.non_spec_state_indices_tensor[: gdn.plan.num_reqs].long()
+        if gdn is not None and gdn.plan.handovers:
+            hand_over_states(gdn, self.kv_cache[:2], state_idx)
         mode = ctx.config.gdn_mode
-        if mode == "island":
+        if mode == "island":  # vLLM's core on the whole batch: verification rows included
             return gdn_island(ctx, super()._forward_core, mixed_qkv, b, a, core_attn_out)
+        rows = ctx.verified.rows
+        if rows:
+            self._verify(ctx, meta, mixed_qkv[:rows], b[:rows], a[:rows], core_attn_out[:rows])
+        if gdn is None:
+            return
+        mixed_qkv, b, a, core_attn_out = mixed_qkv[rows:], b[rows:], a[rows:], core_attn_out[rows:]
         conv_state = self.kv_cache[0]
         if not is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)
         # with speculative decoding the cache keeps K more columns for verification rows; a prefill
         # reads and writes the first width - 1, as vLLM's prefill path does
         conv_state = conv_state[..., : self.conv_kernel_size - 1]
-        CORES[mode](ctx, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(), conv_state,
+        CORES[mode](gdn, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(), conv_state,
                     self.kv_cache[1], state_idx)
+
+    def _verify(self, ctx, meta, mixed_qkv, b, a, core_attn_out) -> None:
+        """vLLM's own core on this rank's verification rows: its metadata of the step's verified
+        requests (their spec state indices, accepted-token counts on the device, query starts), narrowed
+        to the ones this rank computes, as a batch of verification rows alone. Each rank writes the
+        states of the requests it verifies itself: replicated ones as at an unsplit step, owned ones
+        on their owner."""
+        forward_context = get_forward_context()
+        whole = forward_context.attn_metadata[self.prefix]
+        forward_context.attn_metadata[self.prefix] = verification_metadata(ctx, meta)
+        try:
+            super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        finally:
+            forward_context.attn_metadata[self.prefix] = whole
+
+
+def verification_metadata(ctx, meta):
+    """``meta`` (vLLM's GDN metadata of the whole step) as the metadata of a batch of this rank's
+    verification rows alone (``PCPContext.verified``), once per step and metadata object (every GDN
+    layer of a KV-cache group shares one)."""
+    cache = ctx.derived
+    if id(meta) not in cache:
+        rows = ctx.verified
+        indices, accepted = meta.spec_state_indices_tensor, meta.num_accepted_tokens
+        if rows.picks is not None:
+            indices, accepted = indices.index_select(0, rows.picks), accepted.index_select(0, rows.picks)
+        cache[id(meta)] = meta, dataclasses.replace(
+            meta, num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0,
+            num_spec_decodes=rows.num_reqs, num_spec_decode_tokens=rows.rows, num_actual_tokens=rows.rows,
+            has_initial_state=None, spec_query_start_loc=rows.query_start, non_spec_query_start_loc=None,
+            spec_state_indices_tensor=indices, non_spec_state_indices_tensor=None, spec_token_indx=None,
+            non_spec_token_indx=None, num_accepted_tokens=accepted, chunk_indices=None, chunk_offsets=None,
+            nums_dict=None, batch_ptr=None, token_chunk_offset_ptr=None)
+    return cache[id(meta)][1]

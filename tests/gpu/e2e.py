@@ -132,9 +132,10 @@ def run_engine(spec: dict) -> dict:
         result[action] = ACTIONS[action](llm, spec)
     if steps_log is not None:  # per rank: how many model forwards of each kind
         workers_settled(llm)
-        from harness.shared_gpu import read_step_kinds
+        from harness.shared_gpu import read_step_kinds, read_step_tokens
 
         result["step_kinds"] = read_step_kinds(steps_log)
+        result["step_tokens"] = read_step_tokens(steps_log)
     t2 = time.time()
     llm.llm_engine.engine_core.shutdown()
     result["shutdown_s"] = time.time() - t2
@@ -189,6 +190,55 @@ def _abort_mid_decode(llm, spec):
         raise RuntimeError(f"abort_mid_decode: the requests ended before the abort or the late request: {tokens}")
     ids = sorted(finished)
     return {"ids": ids, "outputs": request_outputs([finished[i] for i in ids]), "aborted_at": aborted_at}
+
+
+def _prompts_under_load(llm, spec):
+    """Long prompts arriving while requests decode (with MTP: verify drafts). The chats
+    (``spec["load_chats"]``, ``spec["load_chat_tokens"]`` tokens each) start first; once every chat has
+    two tokens, the long prompts (``spec["load_long"]``, 16 tokens each, the first ``max_tokens=1``)
+    join one every ``spec["load_gap"]`` steps. The step after the first long prompt joined (its first
+    chunk computed beside the chats' rows), the chats at ``spec["load_abort"]`` are aborted. With
+    ``spec["load_turns"]`` each chat that finishes asks again: its prompt, its answer and 64 tokens more
+    (a second turn, which hits the prefix cache on the decoded answer where it is on). With
+    ``spec["load_seeded"]`` every request samples at temperature 1 with a seed of its own. Each finished
+    request's output by id, the steps, and the step the first long prompt joined at."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    seeds = iter(range(100, 10 ** 6))
+
+    def params(max_tokens: int) -> SamplingParams:
+        sampling = (dict(temperature=1.0, top_p=0.95, seed=next(seeds)) if spec.get("load_seeded")
+                    else dict(temperature=0.0))
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=spec.get("logprobs", 5), **sampling)
+
+    chats, longs = spec["load_chats"], list(spec["load_long"])
+    more = prompt_ids([64] * len(chats), spec["vocab"], seed=41)
+    for i, p in enumerate(chats):
+        engine.add_request(f"c{i}", {"prompt_token_ids": p}, params(spec["load_chat_tokens"]))
+    tokens, finished, steps, joined_at, aborted = {}, {}, 0, None, False
+    while engine.has_unfinished_requests() or longs:
+        for out in engine.step():
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
+            if not out.finished:
+                continue
+            finished[out.request_id] = out
+            kind, i = out.request_id[0], int(out.request_id[1:])
+            if spec.get("load_turns") and kind == "c":
+                follow = chats[i] + list(out.outputs[0].token_ids) + more[i]
+                engine.add_request(f"t{i}", {"prompt_token_ids": follow}, params(spec["load_chat_tokens"]))
+        steps += 1
+        joined = len(spec["load_long"]) - len(longs)
+        decoding = all(tokens.get(f"c{i}", 0) >= 2 for i in range(len(chats)))
+        if longs and decoding and (joined_at is None or steps >= joined_at + spec["load_gap"] * joined):
+            engine.add_request(f"l{joined}", {"prompt_token_ids": longs.pop(0)}, params(1 if joined == 0 else 16))
+            joined_at = steps if joined_at is None else joined_at
+        elif joined_at is not None and steps == joined_at + 1 and not aborted:
+            engine.abort_request([f"c{i}" for i in spec["load_abort"]])
+            aborted = True
+    ids = sorted(finished)
+    return {"ids": ids, "outputs": request_outputs([finished[i] for i in ids]), "steps": steps,
+            "joined_at": joined_at}
 
 
 def _max_tokens_one(llm, spec):
@@ -341,6 +391,7 @@ def _cached_state_digest(worker, blocks_by_group: dict[int, list[int]]) -> tuple
 
 
 ACTIONS = {"abort_mid_prefill": _abort_mid_prefill, "abort_mid_decode": _abort_mid_decode,
+           "prompts_under_load": _prompts_under_load,
            "max_tokens_one": _max_tokens_one, "prompt_logprobs": _prompt_logprobs,
            "spec_decode_metrics": _spec_decode_metrics, "seeded_sampling": _seeded_sampling,
            "preemptions": _preemptions, "answer_prefix_hits": _answer_prefix_hits}

@@ -16,8 +16,8 @@ rank against pcp=1 (whose decode every rank of ``decode="replicated"`` repeats):
   draftable head (``test_mtp_e2e.draftable_checkpoint``: most drafts accepted, so verification steps
   with 1 to 4 accepted tokens run) against pcp=1 with MTP: each rank's verification steps of its own
   requests through vLLM's FULL graph of them; the accepted-token counters beside the answers, seeded
-  sampling, and ``main``'s abort while decoding, whose late prompt joins verifying requests (a step
-  run whole after a hand-over of their states);
+  sampling, and ``main``'s abort while decoding, whose late prompt joins verifying requests (which stay
+  with their owners: a planned step of the prompt's rows beside their verification rows);
 - ``mtp_preempt`` (eager, pcp = 2): ``preempt``'s small KV cache with MTP.
 A case passes when vLLM's check_logprobs_close rule holds for every prompt with no NaN/Inf; bit for bit
 is not expected (a rank's decode batch is not pcp=1's: flash-attention's split count and the GEMMs'
@@ -170,7 +170,7 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 assert res["abort_mid_prefill"]["finished"].get("survivor") == 8, res["abort_mid_prefill"]
             if "abort_mid_decode" in res:
                 # requests aborted while ranks own them: the others and a request joining after (with
-                # MTP: handed over from their owners at that step) go on as at pcp=1
+                # MTP: computed beside their verification on their owners) go on as at pcp=1
                 kept = [f"r{i}" for i in range(len(ABORT_DECODE_LENGTHS) - 1) if i not in ABORT_DECODE_VICTIMS]
                 ref_abort, abort = ref["abort_mid_decode"], res["abort_mid_decode"]
                 c["abort_mid_decode"] = e2e.compare(ref_abort["outputs"], abort["outputs"])
@@ -194,8 +194,10 @@ def test_spread_decode_matches_pcp1(engine_pool):
                 # the blocks the answers filled hold the same states, bit for bit, on every rank
                 digests = res["answer_prefix_hits"]["state_digests"]
                 assert len({tuple(d) for d in digests}) == 1 and digests[0][1] >= 6, digests
-            if name == "mtp":  # the prompt joining verifying requests took their states from the owners
-                assert all(k.get("handover", 0) > 0 for k in res["step_kinds"]), res["step_kinds"]
+            if name == "mtp":  # the prompt joining verifying requests: they stay with their owners, which
+                # verify them in steps the prompt's rows share; nothing is handed over
+                assert all(k.get("split_verify", 0) > 0 and not k.get("handover") for k in res["step_kinds"]), \
+                    res["step_kinds"]
             if name in ("compiled", "mtp"):
                 c["step_kinds"] = res["step_kinds"]
                 print(f"[spread] compiled pcp{pcp} step kinds per rank: {res['step_kinds']}")
