@@ -22,6 +22,13 @@ host included, collectives left out (an upper bound: each collective drains the 
     python benchmarks/bench_mtp.py --out /tmp/bench_mtp --configs pcp1 pcp1_mtp pcp2 pcp2_mtp   # ~6 min
     python benchmarks/bench_mtp.py --out /tmp/bench_mtp --profile --configs pcp2_mtp             # ~3 min
     python benchmarks/bench_mtp.py --out /tmp/bench_mtp --report-only
+    python benchmarks/bench_mtp.py --out /tmp/bench_mixed --configs pcp1_mtp pcp2_mtp --mixed 16 --tokens 32768
+
+- **Mixed step** (``--mixed B``): B requests verifying drafts (1 + K rows each) and a prompt joining
+  them; per rank the step's own time (turn time less the shared GPU's host copies of its collectives:
+  ``turn_counters``), against the same prompt's step alone and a step of the verifications alone. The
+  prompt's steps with the verifications beside it, less the verification steps among them, are the
+  mixed step (under async scheduling its output comes a step later).
 """
 
 from __future__ import annotations
@@ -136,11 +143,77 @@ def turns_ms(llm, run) -> list[float]:
     return [1e3 * (b - a) for a, b in zip(before, llm.collective_rpc(turn_seconds))]
 
 
-def measure(model: str, config: str, tokens: tuple[int, ...], compiled: bool, path: str) -> None:
-    """{"prefill/T": {"turn_ms": [per rank]}, "decode": {"step_ms": [per rank], "tokens_per_step": x}}
-    into ``path`` after each point."""
+def own_ms(llm, run) -> list[float]:
+    """Each rank's own time (ms) while ``run()`` runs: its turn time less its collectives' host copies
+    (what NCCL between GPUs would not spend)."""
+    from harness.shared_gpu import turn_counters
+
+    before = llm.collective_rpc(turn_counters)
+    run()
+    after = llm.collective_rpc(turn_counters)
+    return [1e3 * ((a["turn"] - a["staging"]) - (b["turn"] - b["staging"])) for b, a in zip(before, after)]
+
+
+def mixed_steps(llm, tokens: tuple[int, ...], chats: int) -> dict:
+    """``--mixed``: per rank the own time of a step of ``chats`` requests verifying drafts, of each
+    prompt's step alone, and of its step beside the verifications (module docstring)."""
     from vllm import SamplingParams
 
+    engine, counts = llm.llm_engine, {}
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    out = {}
+    for n in tokens:  # alone (the engine has no other request)
+        llm.generate([bench_ttft.prompt(n)], one, use_tqdm=False)
+        out[f"alone/{n}"] = statistics.median(max(own_ms(llm, lambda: llm.generate(
+            [bench_ttft.prompt(n)], one, use_tqdm=False))) for _ in range(REPS))
+
+    def steps(k: int) -> list[str]:
+        done = []
+        for _ in range(k):
+            for o in engine.step():
+                counts[o.request_id] = len(o.outputs[0].token_ids)
+                done += [o.request_id] if o.finished else []
+        return done
+
+    sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
+    for i in range(chats):
+        engine.add_request(f"chat{i}", {"prompt_token_ids": bench_ttft.prompt(512 + i)["prompt_token_ids"]}, sp)
+    while len(counts) < chats or min(counts.values()) < 2:
+        steps(1)
+    steps(DECODE_WARMUP)
+    verify = max(own_ms(llm, lambda: steps(DECODE_STEPS))) / DECODE_STEPS
+    out["verify_step_ms"] = verify
+    for n in tokens:
+        for rep in range(REPS):
+            name, taken = f"prompt{n}_{rep}", [0]
+            engine.add_request(name, {"prompt_token_ids": bench_ttft.prompt(n)["prompt_token_ids"]}, one)
+
+            def until_done(name=name, taken=taken):
+                while True:
+                    taken[0] += 1
+                    if name in steps(1):
+                        return
+            total = max(own_ms(llm, until_done))
+            out.setdefault(f"mixed/{n}", []).append(total - (taken[0] - 1) * verify)
+        out[f"mixed/{n}"] = statistics.median(out[f"mixed/{n}"])
+        print(f"[mixed] {n} tokens beside {chats} verifying: {out[f'mixed/{n}']:.1f} ms, alone "
+              f"{out[f'alone/{n}']:.1f} ms, verification alone {verify:.1f} ms", flush=True)
+    engine.abort_request([f"chat{i}" for i in range(chats)])
+    return out
+
+
+def measure(model: str, config: str, tokens: tuple[int, ...], compiled: bool, path: str, mixed: int = 0) -> None:
+    """{"prefill/T": {"turn_ms": [per rank]}, "decode": {"step_ms": [per rank], "tokens_per_step": x}}
+    into ``path`` after each point; with ``mixed`` (B verifying requests) only ``mixed_steps``' points."""
+    from vllm import SamplingParams
+
+    if mixed:  # the budget holds a prompt and every verification row in one step
+        llm = bench_ttft.engine(model, "pcp1", max(tokens), compiled, **engine_args(config),
+                                max_num_batched_tokens=max(tokens) + mixed * (1 + K))
+        data = {"config": config, "mode": bench_ttft.mode(compiled), "chats": mixed,
+                **mixed_steps(llm, tokens, mixed)}
+        Path(path).write_text(json.dumps(data))
+        return
     llm = bench_ttft.engine(model, "pcp1", max(tokens), compiled, **engine_args(config))
     out: dict = {"config": config, "mode": bench_ttft.mode(compiled)}
     one = SamplingParams(max_tokens=1, temperature=0.0)
@@ -175,9 +248,35 @@ def measure(model: str, config: str, tokens: tuple[int, ...], compiled: bool, pa
     Path(path).write_text(json.dumps(out))
 
 
+def mixed_report(out: str) -> list[str]:
+    """``--mixed``'s table: per layout and prompt length the slowest rank's own time (ms, measured)."""
+    data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
+            if (Path(out) / f"{c}.json").exists()}
+    data = {c: d for c, d in data.items() if "chats" in d}
+    if not data:
+        return []
+    d0 = next(iter(data.values()))
+    lines = [f"mixed step per rank (K={K}), {d0['chats']} requests verifying beside one prompt, Qwen3.6-35B-A3B "
+             f"shape, first {LAYERS} layers + MTP head, dummy weights, {d0['mode']}, one GPU, ranks taking turns; "
+             "measured: own time of the slowest rank (ms), collectives' host copies left out",
+             f"{'config':>9} {'tokens':>7} {'alone':>9} {'verify':>9} {'mixed':>9} {'mixed/(alone+verify)':>21}"]
+    for config, d in data.items():
+        for key in sorted(k for k in d if k.startswith("mixed/")):
+            n = int(key.split("/")[1])
+            alone, verify, mixed = d[f"alone/{n}"], d["verify_step_ms"], d[key]
+            lines.append(f"{config:>9} {n:>7} {alone:9.1f} {verify:9.1f} {mixed:9.1f} {mixed / (alone + verify):21.2f}")
+    return lines
+
+
 def report(out: str) -> dict:
     data = {c: json.loads((Path(out) / f"{c}.json").read_text()) for c in CONFIGS
             if (Path(out) / f"{c}.json").exists()}
+    mixed = mixed_report(out)
+    if mixed:
+        table = "\n".join(mixed)
+        print(table)
+        (Path(out) / "table.txt").write_text(table + "\n")
+        return {}
     mode = next((d["mode"] for d in data.values()), "?")
     lines = [f"MTP (K={K}) per rank, Qwen3.6-35B-A3B shape, first {LAYERS} layers + MTP head, dummy weights, "
              f"{mode}, one H200, ranks taking turns; measured: turn time of the slowest rank (ms)",
@@ -310,6 +409,8 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="profile the MTP configs' first pass whole and split instead (see above)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--mixed", type=int, default=0, metavar="B",
+                        help="the mixed step instead: a prompt beside B requests verifying drafts (MTP configs)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -318,14 +419,18 @@ def main():
         if args.profile:
             profile_child(model, config, tuple(args.tokens), args.compiled, args.out)
         else:
-            measure(model, config, tuple(args.tokens), args.compiled, str(Path(args.out) / f"{config}.json"))
+            measure(model, config, tuple(args.tokens), args.compiled, str(Path(args.out) / f"{config}.json"),
+                    args.mixed)
         return
+    if args.mixed and any(not CONFIGS[c][1] for c in args.configs):
+        parser.error("--mixed measures verification rows beside a prompt: give MTP configs")
     if args.profile and any(not CONFIGS[c][1] or CONFIGS[c][0] < 2 for c in args.configs):
         parser.error("--profile compares the first pass whole and split: give MTP configs at pcp > 1")
     if not args.report_only:
         model = bench_ttft.checkpoint(args.out, layers=LAYERS)
         for config in args.configs:
             argv = [__file__, "--out", args.out, "--tokens", *map(str, args.tokens), *(["--profile"] if args.profile else []),
+                    "--mixed", str(args.mixed),
                     *(["--compiled"] if args.compiled else []), "--child", config, model]
             bench_ttft.run_child(argv, str(Path(args.out) / f"{config}.log"), "race_free", in_process=True,
                                  turns_lock=str(Path(args.out) / "turns.lock"),

@@ -66,3 +66,15 @@ def test_report_reads_turn_times_and_profiles(tmp_path):
     assert "41.7%" in table and "19.2%" in table
     # predicted at 40 layers, pcp=2, whole: 3.0 / (4.2 x 5 + 3.0); split: 1.5 / (21 + 1.5)
     assert "12.5%" in table and "6.7%" in table
+
+
+def test_the_mixed_report_sets_each_mixed_step_beside_its_parts(tmp_path):
+    """``--mixed``'s table: per config and length the step alone, the verifications alone, the mixed step
+    and its ratio to their sum; a folder without ``--mixed`` results gives no such table."""
+    assert bench.mixed_report(str(tmp_path)) == []
+    (tmp_path / "pcp2_mtp.json").write_text(json.dumps({"config": "pcp2_mtp", "mode": "eager", "chats": 16,
+                                                        "alone/32768": 300.0, "verify_step_ms": 30.0,
+                                                        "mixed/32768": 297.0}))
+    lines = bench.mixed_report(str(tmp_path))
+    assert "16 requests verifying" in lines[0]
+    assert lines[-1].split() == ["pcp2_mtp", "32768", "300.0", "30.0", "297.0", "0.90"]
