@@ -4,7 +4,8 @@ A spread decode step's extra over pcp=1's step is host work (``docs/performance.
 part of it is one tensor call after another: each costs the host microseconds on a GPU whatever its
 size. This counts them, through PyTorch's dispatcher (``TorchDispatchMode``: every aten call, views
 included), in the CPU stand-in of the runner that ``tests/test_runner.py`` checks the spread step
-with (vLLM's buffers, its dispatcher, two KV-cache groups, two attention layers, real gloo ranks).
+with (``harness/runner_stand_in.py``: vLLM's buffers, its dispatcher, two KV-cache groups, two attention
+layers, real gloo ranks).
 The stand-in's own parts (vLLM's input preparation, dispatch, slot mapping, metadata build, the
 model, whose layers keep their K/V in the stage as they write it) are left out, so what is counted
 is ours: the plan's device indices, the owned batch's heads, the K/V sent and written, the output
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests/, harness/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: harness/
 
 # aten calls that only make a view (no allocation, copy or kernel)
 VIEWS = {"view", "slice", "select", "detach", "permute", "lift_fresh", "alias", "_reshape_alias", "unsqueeze",
@@ -64,10 +65,10 @@ def count_step(rank: int, group, batch: int) -> dict:
     from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from tests import test_runner as stand_in
+    from harness import runner_stand_in as stand_in
 
-    runner = stand_in._spread_runner(group, rank, [], {})
-    stand_in._graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
+    runner = stand_in.spread_runner(group, rank, [], {})
+    stand_in.cuda_graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
     counter = _counter()
 
     def uncounted(fn):
@@ -96,12 +97,12 @@ def spread_decode_step(runner, batch: int, step: int, around=None) -> None:
     """Step ``step`` of ``batch`` requests decoding through the stand-in runner, as vLLM's
     ``execute_model`` calls the runner's parts (inputs, dispatch, slots, metadata, the model), those
     calls inside the context manager ``around``; the requests' state set before it."""
-    from tests import test_runner as stand_in
+    from harness import runner_stand_in as stand_in
 
     req_ids, num_new = [f"r{i}" for i in range(batch)], np.ones(batch, dtype=np.int32)
     computed = np.array([100 + 3 * i + step for i in range(batch)])
     runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=computed,
-                                         num_prompt_tokens=np.full(batch, 50), block_table=stand_in._BlockTables())
+                                         num_prompt_tokens=np.full(batch, 50), block_table=stand_in.BlockTables())
     runner.requests = {r: SimpleNamespace(num_tokens=200, block_ids=([], [])) for r in req_ids}
     runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
     with around if around is not None else contextlib.nullcontext():

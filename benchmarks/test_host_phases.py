@@ -22,10 +22,10 @@ def _timed_spread_steps(rank, group, steps_log):
     from benchmarks import host_phases
     from benchmarks.spread_host_ops import spread_decode_step
     from harness.shared_gpu import STEPS_ENV, record_step_kinds
-    from tests import test_runner as stand_in
+    from harness import runner_stand_in as stand_in
 
-    runner = stand_in._spread_runner(group, rank, [], {})
-    stand_in._graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
+    runner = stand_in.spread_runner(group, rank, [], {})
+    stand_in.cuda_graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
     # the bench's workers record their step kinds from the start, before the phases are wrapped
     os.environ[STEPS_ENV] = steps_log
     record_step_kinds(SimpleNamespace(model_runner=runner, rank=rank))

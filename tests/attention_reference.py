@@ -9,43 +9,7 @@ import torch.nn.functional as F
 from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.layers.split_attention import gather_kv_for_cache, vseq_block_table
 
-
-def write_kv_reference(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Reference of vLLM's reshape_and_cache_flash: cache [num_blocks, block_size, kvh, d]."""
-    keep = slots >= 0
-    flat_k = key_cache.view(-1, *key_cache.shape[2:])
-    flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k[slots[keep]] = k[keep].to(flat_k.dtype)
-    flat_v[slots[keep]] = v[keep].to(flat_v.dtype)
-
-
-def pcp_attention_layers(caches: list[torch.Tensor], writer=None) -> list:
-    """vLLM ``Attention`` stand-ins over these caches ([2, blocks, block_size, kv_heads, head_dim], any
-    stride order) whose impl is the plugin's ``PCPFlashAttentionImpl`` (built without vLLM's
-    constructor) over a FlashAttention impl whose cache write (vLLM's ``reshape_and_cache_flash``, a
-    CUDA op) is the impl's ``cache_writer(k, v, kv_cache, slots)`` (default: ``write_kv_reference`` on
-    the cache's K and V)."""
-    from types import SimpleNamespace
-
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-
-    from qwen36_pcp.layers.pcp_attention import PCPFlashAttentionImpl
-
-    class CPUCacheWrite(FlashAttentionImpl):
-        def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
-            self.cache_writer(key, value, kv_cache, slots)
-
-    class Impl(PCPFlashAttentionImpl, CPUCacheWrite):  # the plugin's impl, then the CPU cache write
-        pass
-
-    layers = []
-    for cache in caches:
-        impl = object.__new__(Impl)
-        impl.num_kv_heads, impl.head_size = cache.shape[3], cache.shape[4]
-        impl.cache_writer = writer or (lambda k, v, cache, slots: write_kv_reference(k, v, cache[0], cache[1], slots))
-        layers.append(SimpleNamespace(kv_cache=cache, impl=impl))
-    return layers
+from harness.runner_stand_in import write_kv_reference
 
 
 def paged_causal_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,

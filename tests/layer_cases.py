@@ -35,15 +35,6 @@ def kv_layout(num_computed, num_new, block_size):
     return block_table, torch.cat(slots), next_block
 
 
-def exchange_slots(plan, slot_mapping):
-    """``owned_batch.kv_exchange_slots`` of a spread decode step's plan, built on the host as
-    ``OwnedBatch.write_heads`` builds it."""
-    from qwen36_pcp.owned_batch import kv_exchange_rows, kv_exchange_slots
-
-    rows = kv_exchange_rows(plan)
-    return kv_exchange_slots(slot_mapping, torch.from_numpy(rows.clip(min=0)), torch.from_numpy(rows >= 0))
-
-
 def gdn_case(seed, num_computed, num_new, hk=2, hv=4, dk=8, dv=8, width=4):
     """Random fp32 GDN layer inputs and cache for a batch -> (inputs, GDNWeights)."""
     g = torch.Generator().manual_seed(seed)

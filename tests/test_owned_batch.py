@@ -12,7 +12,9 @@ from qwen36_pcp.config import PCPConfig
 from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.plan import PCPPlan
 
-from .layer_cases import exchange_slots, kv_layout
+from harness.runner_stand_in import exchange_slots, pcp_attention_layers
+
+from .layer_cases import kv_layout
 
 KVH, D, BS = 2, 16, 8
 
@@ -33,8 +35,6 @@ def _step(rank, group, layers=3, groups=((0, 1, 2),)):
     """``groups``: the stage indices of each KV-cache group's layers (a group's layers kept apart in the
     stage: ``(0, 2), (1,)``)."""
     from qwen36_pcp.owned_batch import KVStage, defer_staged_kv
-
-    from .attention_reference import pcp_attention_layers
 
     num_computed, num_new = [40, 9, 3, 70, 12], [1] * 5
     plan = PCPPlan(num_computed, num_new, group.world_size, rank, PCPConfig(decode="spread"),
@@ -111,8 +111,6 @@ def test_exchange_slots_are_the_gathered_slots_of_each_rank_and_of_the_others():
 
 def test_the_stage_keeps_a_steps_first_rows_and_refuses_what_it_cannot_hold():
     from qwen36_pcp.owned_batch import KVStage
-
-    from .attention_reference import pcp_attention_layers
 
     layers = pcp_attention_layers([torch.zeros(2, 4, BS, KVH, D) for _ in range(2)])
     stage = KVStage(layers, 3, torch.float32, "cpu")

@@ -20,36 +20,8 @@ import pytest
 import torch
 
 from harness.dist import run_distributed
-
-HIDDEN = 4
-
-
-def _model(rank: int, seen: list):
-    """hidden[row] = (id, position, id * position, 1), plus ``rank`` except on the primary copies of a
-    split step's rows (a split row's only copy)."""
-
-    def forward(input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None):
-        from qwen36_pcp.layers.context import current_pcp_context
-
-        ctx = current_pcp_context()
-        seen.append(((input_ids if input_ids is not None else inputs_embeds).shape[0], ctx is not None))
-        hidden = _expected(input_ids, positions, inputs_embeds)
-        ids = hidden[:, 0]
-        noise = torch.full((ids.shape[0],), float(rank), dtype=torch.float64)
-        if ctx is not None:  # a split row's one copy is its primary one
-            noise[torch.from_numpy(ctx.plan.primary[rank])] = 0.0
-        return hidden + noise[:, None]
-
-    return forward
-
-
-def _expected(ids: torch.Tensor | None, pos: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
-    """The stand-in model: a function of each row's token id (or its embedding's first element) and
-    its position (all three M-RoPE axes when ``pos`` is [3, T])."""
-    ids = (ids if ids is not None else embeds[:, 0]).double()
-    pos = pos.double() if pos.dim() == 1 else pos[0].double() * 1e6 + pos[1].double() * 1e3 + pos[2].double()
-    return torch.stack([ids, pos, ids * pos, torch.ones_like(ids)], dim=1)
-
+from harness.runner_stand_in import (HIDDEN, BlockTables, cuda_graphs, execute_spread_runner, expected_rows,
+                                     model_rows, spread_runner, stand_in_runner)
 
 def _image_prompt(num_tokens: int, images: list[tuple[int, int, int]]):
     """A prompt's placeholder embeddings (one element per row: text rows their token id, image rows a
@@ -70,27 +42,6 @@ def _image_prompt(num_tokens: int, images: list[tuple[int, int, int]]):
     return embeds, positions
 
 
-def _stand_in_runner(group, config, model, dispatched: list):
-    """A ``PCPModelRunner``'s own state, without vLLM's GPU buffers, with vLLM's parts of a step stood
-    in for in this rank's process (``_prepare_inputs``: each request's last row; the batch dispatch:
-    ``force_eager`` noted in ``dispatched``)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from qwen36_pcp.decode_owners import DecodeOwners
-    from qwen36_pcp.runner import PCPModelRunner
-
-    GPUModelRunner._prepare_inputs = lambda self, so, n: (torch.from_numpy(np.cumsum(n) - 1).to(torch.int32), None)
-    GPUModelRunner._determine_batch_execution_and_padding = (
-        lambda self, *a, force_eager=False, **kw: dispatched.append(force_eager))
-    runner = object.__new__(PCPModelRunner)
-    runner.pcp_config, runner.pcp_group, runner.pcp_step = config, group, None
-    runner.decode_owners = DecodeOwners(group.world_size) if config.decode == "spread" else None
-    runner._owned_batch = None
-    runner.speculative_config, runner.num_prompt_logprobs, runner.uniform_decode_query_len = None, {}, 1
-    runner.model, runner.device = model, torch.device("cpu")
-    return runner
-
-
 def _steps(rank, group):
     """Three steps through one runner: a split step, the same with prompt logprobs, an unsplit one."""
     from vllm.forward_context import ForwardContext, override_forward_context
@@ -99,7 +50,7 @@ def _steps(rank, group):
     from qwen36_pcp.config import PCPConfig
 
     dispatched, seen = [], []
-    runner = _stand_in_runner(group, PCPConfig(min_split_tokens=512), _model(rank, seen), dispatched)
+    runner = stand_in_runner(group, PCPConfig(min_split_tokens=512), model_rows(rank, seen), dispatched)
     # each rank's drafter proposes its own tokens (as if its kernels had rounded differently)
     GPUModelRunner.propose_draft_token_ids = lambda self, *a, **kw: torch.full((3, 2), 100 + rank)
     runner._warm_pcp_collectives()  # every rank in chain order: returns (no rank waits for ever)
@@ -137,7 +88,7 @@ def _steps(rank, group):
         with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
             hidden = runner._model_forward(input_ids=ids, positions=pos)
         step = runner.pcp_step
-        results[name] = {"hidden": hidden, "expected": _expected(ids, pos), "rows": logits_indices.long(),
+        results[name] = {"hidden": hidden, "expected": expected_rows(ids, pos), "rows": logits_indices.long(),
                          "split": None if step.plan is None else step.plan.split.tolist(),
                          "seen": seen[-1], "t_pad": None if step.plan is None else step.plan.t_pad,
                          "force_eager": dispatched[-1], "starts": starts}
@@ -188,7 +139,7 @@ def _image_step(runner, seen, dispatched):
     step = runner.pcp_step
     runner.pcp_step = None
     n = int(num_new.sum())
-    return {"hidden": hidden[:n], "expected": _expected(None, pos, embeds)[:n], "seen": seen[-1],
+    return {"hidden": hidden[:n], "expected": expected_rows(None, pos, embeds)[:n], "seen": seen[-1],
             "split": step.plan.split.tolist(), "t_pad": step.plan.t_pad, "force_eager": dispatched[-1],
             "image_rows": int((embeds[:n, 0] >= 10_000).sum()), "axes_differ": bool((pos[1] != pos[2]).any())}
 
@@ -215,7 +166,7 @@ class _Drafter(torch.nn.Module):
         rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         self.calls.append((rows, ctx is not None, get_forward_context().cudagraph_runtime_mode))
         self.contexts.append(ctx)
-        out = hidden_states + _expected(input_ids, positions, inputs_embeds)
+        out = hidden_states + expected_rows(input_ids, positions, inputs_embeds)
         noise = torch.full((out.shape[0],), float(self.rank), dtype=out.dtype)
         if ctx is not None:
             noise[torch.from_numpy(ctx.plan.primary[self.rank])] = 0.0
@@ -296,7 +247,7 @@ def _drafter_steps(runner, rank):
         verify_last = torch.cat([torch.arange(3), last + 3])
         out["verify"] = step(verify_new, {"input_ids": verify_ids, "positions": verify_pos, "inputs_embeds": None},
                              verify_last, drafts={"req0": [7, 8]})
-        out["verify_target"], out["verify_read"] = _expected(verify_ids, verify_pos), verify_last
+        out["verify_target"], out["verify_read"] = expected_rows(verify_ids, verify_pos), verify_last
         runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array(num_computed + [0] * 12),
                                              num_prompt_tokens=np.array([3000, 12000] + [0] * 12))
         step(num_new, text, propose=False)  # its drafter does not run (the input did not fit it)
@@ -305,142 +256,8 @@ def _drafter_steps(runner, rank):
                                                                  "inputs_embeds": None}, torch.arange(2))
     finally:
         GPUModelRunner.propose_draft_token_ids = saved
-    out["target"], out["target_vision"], out["last"] = _expected(ids, pos), _expected(None, mrope, embeds), last
+    out["target"], out["target_vision"], out["last"] = expected_rows(ids, pos), expected_rows(None, mrope, embeds), last
     return out
-
-
-def _graphs(runner, mode, kv_write_split: bool = True, query_len: int = 1) -> None:
-    """The runner's compilation config and vLLM's CUDA graph dispatcher with keys for graphs of 1, 2,
-    4 and 8 requests under ``mode``, each ``query_len`` rows (MTP: 1 + K, as vLLM sizes its graphs
-    then); ``kv_write_split``: vLLM's K/V write among the splitting ops (its default: run eagerly
-    between the graphs)."""
-    from vllm.config import CompilationConfig
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-
-    ops = list(CompilationConfig._attention_ops)
-    if kv_write_split:
-        ops += ["vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
-    sizes = [query_len * n for n in (1, 2, 4, 8)]
-    config = CompilationConfig(mode=3, cudagraph_mode=mode, cudagraph_capture_sizes=sizes,
-                               max_cudagraph_capture_size=sizes[-1], splitting_ops=ops)
-    spec = SimpleNamespace(num_speculative_tokens=query_len - 1) if query_len > 1 else None
-    dispatcher = CudagraphDispatcher(SimpleNamespace(compilation_config=config, speculative_config=spec,
-                                                     lora_config=None,
-                                                     scheduler_config=SimpleNamespace(max_num_seqs=16)))
-    dispatcher.initialize_cudagraph_keys(mode, query_len)
-    runner.compilation_config, runner.cudagraph_dispatcher = config, dispatcher
-
-
-class _BlockTables:
-    """vLLM's ``MultiGroupBlockTable`` as the runner reads it: per KV-cache group (attention, GDN)
-    vLLM's ``BlockTable`` on the CPU (its rows on the host, committed to its device buffer, and its
-    slot mapping)."""
-
-    def __init__(self, rows: int = 16, tokens: int = 8192):
-        from vllm.v1.worker.block_table import BlockTable
-
-        self.block_tables = [BlockTable(16, rows, 4, tokens, False, torch.device("cpu"), 16, 1) for _ in range(2)]
-
-    def __getitem__(self, group: int):
-        return self.block_tables[group]
-
-
-def _spread_runner(group, rank, seen, calls, cache_blocks: int = 16):
-    """A stand-in runner for ``decode="spread"`` with vLLM's buffers (on the CPU) and its parts of a
-    step stood in for as they use those buffers: ``_prepare_inputs`` fills the whole batch's query
-    starts, sequence lengths, block-table rows, slots (attention slot = 7 + 11 x the token's row),
-    ids and positions; the dispatch asks vLLM's dispatcher (graphs of 1, 2, 4, 8 rows);
-    ``_get_slot_mappings`` sets the slots past the unpadded rows to -1; ``_build_attention_metadata``
-    notes what it would read (the buffers' heads); the model, as a CUDA graph would, reads the ids
-    and positions at the heads and writes each row's K/V (a function of its id and position) at the
-    head slots into two attention layers' caches."""
-    from vllm.config import CUDAGraphMode
-    from vllm.v1.utils import CpuGpuBuffer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from qwen36_pcp.config import PCPConfig
-
-    from .attention_reference import pcp_attention_layers
-
-    model = _model(rank, seen)
-    runner = _stand_in_runner(group, PCPConfig(decode="spread"), None, [])
-    cpu = torch.device("cpu")
-    runner.query_start_loc = CpuGpuBuffer(17, dtype=torch.int32, device=cpu, pin_memory=False)
-    runner.input_ids = CpuGpuBuffer(8192, dtype=torch.int64, device=cpu, pin_memory=False)
-    runner.seq_lens, runner.positions = torch.zeros(16, dtype=torch.int32), torch.zeros(8192, dtype=torch.int64)
-    runner.optimistic_seq_lens_cpu = torch.zeros(16, dtype=torch.int32)
-    runner.model_config, runner.dtype = SimpleNamespace(get_hidden_size=lambda: HIDDEN), torch.float64
-    runner.max_num_reqs = 16
-    layers = pcp_attention_layers([torch.zeros(2, cache_blocks, 8, 1, HIDDEN, dtype=torch.float64) for _ in range(2)])
-    runner._attention_groups = [(0, layers)]
-    runner._attach_kv_stage(layers)  # (``load_model``'s)
-
-    def prepare(self, so, num_new):
-        reqs, computed = len(num_new), self.input_batch.num_computed_tokens_cpu[: len(num_new)]
-        cu = np.concatenate([[0], np.cumsum(num_new)])
-        tokens = int(cu[-1])
-        self.query_start_loc.np[: reqs + 1], self.query_start_loc.np[reqs + 1:] = cu, cu[-1]
-        self.query_start_loc.copy_to_gpu()
-        self.seq_lens[:reqs], self.seq_lens[reqs:] = torch.from_numpy(computed + num_new), 0
-        self.optimistic_seq_lens_cpu.copy_(self.seq_lens)
-        self.input_ids.gpu[:tokens] = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
-        self.positions[:tokens] = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(computed, num_new)]))
-        for g, table in enumerate(self.input_batch.block_table.block_tables):
-            for i in range(reqs):  # request i holds 1 + i % 4 blocks, 10 i + 100 g onwards
-                table.add_row(list(range(10 * i + 100 * g, 10 * i + 100 * g + 1 + i % 4)), i)
-            table.commit_block_table(reqs)
-            table.slot_mapping.gpu[:tokens] = torch.arange(tokens) * 11 + 7 + 1000 * g
-        return torch.from_numpy(cu[1:] - 1), None
-
-    def dispatch(self, *args, force_eager=False, **kw):
-        q = self.uniform_decode_query_len
-        uniform = kw["max_num_scheduled_tokens"] == q and kw["num_tokens"] == kw["num_reqs"] * q
-        mode, desc = self.cudagraph_dispatcher.dispatch(
-            kw["num_tokens"], uniform_decode=uniform, valid_modes={CUDAGraphMode.NONE} if force_eager else None)
-        calls["dispatch"] = (kw["num_tokens"], kw["num_reqs"], force_eager, mode, desc.num_tokens)
-        return mode, desc, False, None, None
-
-    def slot_mappings(self, num_tokens_padded, num_reqs_padded, num_tokens_unpadded, ubatch_slices=None):
-        calls["slot_mappings"] = (num_tokens_padded, num_tokens_unpadded)
-        out = {}
-        for g, table in enumerate(self.input_batch.block_table.block_tables):
-            out[g] = table.slot_mapping.gpu[:num_tokens_padded]
-            out[g][num_tokens_unpadded:num_tokens_padded] = -1
-        return out, {}
-
-    def build(self, **kw):
-        if self.speculative_config is not None and not any(self.attn_groups):  # the drafter's (whole batch)
-            return {}, SimpleNamespace(drafter=True, num_tokens=kw["num_tokens"], num_reqs=kw["num_reqs"],
-                                       slots=kw["slot_mappings"][0].tolist())
-        rows = kw.get("num_reqs_padded") or kw["num_reqs"]
-        tables = self.input_batch.block_table.block_tables
-        if self.speculative_config is not None:  # what the GDN builder reads: accepted tokens, drafts
-            calls["verification"] = (self.num_accepted_tokens.gpu.tolist(), self.num_decode_draft_tokens.cpu.tolist())
-        calls["metadata"] = {**{k: kw[k] for k in ("num_tokens", "num_reqs", "num_tokens_padded", "num_reqs_padded")},
-                             "starts": self.query_start_loc.gpu[: rows + 1].tolist(),
-                             "host_starts": self.query_start_loc.cpu[: rows + 1].tolist(),
-                             "seq_lens": self.seq_lens[:rows].tolist(),
-                             "host_seq_lens": self.optimistic_seq_lens_cpu[:rows].tolist(),
-                             "blocks": [t.block_table.gpu[:rows].tolist() for t in tables],
-                             "slots": [t.slot_mapping.gpu[:rows].tolist() for t in tables]}
-        return {}, None
-
-    def forward(input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None):
-        hidden = model(input_ids=input_ids, positions=positions)
-        if runner.pcp_step.owned is None:  # (the layers of a split step write through the context)
-            return hidden
-        slots = runner.input_batch.block_table[0].slot_mapping.gpu[: input_ids.shape[0]]
-        for j, layer in enumerate(layers):  # each layer's cache write (``unified_kv_cache_update``)
-            kv = _expected(input_ids, positions)[:, None, :] + j
-            layer.impl.do_kv_cache_update(layer, kv, -kv, layer.kv_cache, slots)
-        return hidden
-
-    GPUModelRunner._prepare_inputs = prepare
-    GPUModelRunner._determine_batch_execution_and_padding = dispatch
-    GPUModelRunner._get_slot_mappings = slot_mappings
-    GPUModelRunner._build_attention_metadata = lambda self, *a, **kw: build(self, **kw)
-    runner.model = forward
-    return runner
 
 
 def _spread_steps(rank, group):
@@ -454,7 +271,7 @@ def _spread_steps(rank, group):
     from qwen36_pcp.decode_owners import DecodeOwners
 
     seen, calls, results = [], {}, {}
-    runner = _spread_runner(group, rank, seen, calls)
+    runner = spread_runner(group, rank, seen, calls)
     layers = runner._attention_groups[0][1]
     decode = (["a", "b", "c", "d", "e"], [17, 40, 3000, 700, 9], [1] * 5, [17, 40, 3000, 700, 9])
     decode3 = (["f", "g", "h"], [5, 6, 7], [1] * 3, [5, 6, 7])
@@ -464,7 +281,7 @@ def _spread_steps(rank, group):
             ("prompt", ["r"], [0], [30], [30]),
             # request a, decoded on one rank, comes back with three tokens of a grown prompt
             ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40]), ("decode_lopsided", *decode)):
-        _graphs(runner, CUDAGraphMode.NONE if name == "decode_eager" else CUDAGraphMode.FULL_AND_PIECEWISE)
+        cuda_graphs(runner, CUDAGraphMode.NONE if name == "decode_eager" else CUDAGraphMode.FULL_AND_PIECEWISE)
         if name in ("decode3", "decode_eager", "decode_past_buffers", "decode_lopsided"):
             runner.decode_owners = DecodeOwners(group.world_size)
         if name == "decode_lopsided":
@@ -473,7 +290,7 @@ def _spread_steps(rank, group):
         runner.max_num_reqs = 3 if name == "decode_past_buffers" else 16
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
-                                             num_prompt_tokens=np.array(num_prompt), block_table=_BlockTables())
+                                             num_prompt_tokens=np.array(num_prompt), block_table=BlockTables())
         runner.requests = {r: SimpleNamespace(num_tokens=p) for r, p in zip(req_ids, num_prompt)}
         runner.requests.update({r: SimpleNamespace(num_tokens=1) for r in "abcdefghpqr" if r not in req_ids})
         # prefix caching at two steps: GDN states block by block (blocks of STATE_BLOCK tokens), each
@@ -503,37 +320,12 @@ def _run_spread_step(runner, layers, seen, calls, states, num_computed, num_new,
     whole_ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
     whole_pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
     step, runner.pcp_step = runner.pcp_step, None
-    return {"hidden": hidden, "expected": _expected(whole_ids, whole_pos), "rows": logits_indices.long(),
+    return {"hidden": hidden, "expected": expected_rows(whole_ids, whole_pos), "rows": logits_indices.long(),
             "plan": step.plan, "owner": None if step.plan is None else step.plan.owner.tolist(),
             "owned": step.owned, "calls": dict(calls), "seen": seen[before:], "mode": mode, "common": common,
             "kv": [(layer.kv_cache[0].reshape(-1, HIDDEN).clone(), layer.kv_cache[1].reshape(-1, HIDDEN).clone())
                    for layer in layers],
             "whole": (whole_ids, whole_pos), "states": [x.clone() for x in states]}
-
-
-def execute_spread_runner(runner, num_new: np.ndarray, drafts: dict | None = None):
-    """The runner's parts of a step (``_spread_runner``'s) in ``execute_model``'s order: the inputs, the
-    dispatch, the slots, the metadata, the model; (the rows vLLM samples, the graph mode, the hidden
-    states, the common metadata vLLM would hand the drafter). ``runner.pcp_step`` stays the step's.
-    ``drafts``: the scheduled drafts by request id (MTP)."""
-    from vllm.forward_context import ForwardContext, override_forward_context
-
-    tokens, reqs = int(num_new.sum()), len(num_new)
-    so = SimpleNamespace(scheduled_spec_decode_tokens=drafts or {},
-                         num_scheduled_tokens=dict(zip(runner.input_batch.req_ids, num_new.tolist())))
-    logits_indices, _ = runner._prepare_inputs(so, num_new)
-    mode, desc, *_ = runner._determine_batch_execution_and_padding(
-        num_tokens=tokens, num_reqs=reqs, num_scheduled_tokens_np=num_new,
-        max_num_scheduled_tokens=int(num_new.max()), use_cascade_attn=False)
-    rows = desc.num_tokens
-    runner._get_slot_mappings(num_tokens_padded=rows, num_reqs_padded=rows, num_tokens_unpadded=tokens)
-    _, common = runner._build_attention_metadata(num_tokens=tokens, num_reqs=reqs, max_query_len=1,
-                                                 num_tokens_padded=rows, num_reqs_padded=rows)
-    context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
-                             cudagraph_runtime_mode=mode, batch_descriptor=desc)
-    with override_forward_context(context):
-        hidden = runner._model_forward(input_ids=runner.input_ids.gpu[:rows], positions=runner.positions[:rows])
-    return logits_indices, mode, hidden, common
 
 
 def _one_batch_decoding_on(rank, group):
@@ -549,8 +341,8 @@ def _one_batch_decoding_on(rank, group):
     out = {}
     for reuse in (True, False):
         seen, calls = [], {}
-        runner = _spread_runner(group, rank, seen, calls)
-        _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
+        runner = spread_runner(group, rank, seen, calls)
+        cuda_graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
         layers = runner._attention_groups[0][1]
         prepare = GPUModelRunner._prepare_inputs  # the stand-in's
         steps = []
@@ -565,7 +357,7 @@ def _one_batch_decoding_on(rank, group):
             req_ids, computed = list("abcde"), np.array([17, 40, 3000, 700, 9]) + step
             runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=computed,
                                                  num_prompt_tokens=np.array([17, 40, 3000, 700, 9]),
-                                                 block_table=_BlockTables())
+                                                 block_table=BlockTables())
             runner.requests = {r: SimpleNamespace(num_tokens=int(c) + 1, block_ids=([], [])) for r, c in zip(req_ids, computed)}
             runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
             calls.clear()
@@ -592,7 +384,7 @@ def _verification_steps(rank, group):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     seen, calls, results = [], {}, {}
-    runner = _spread_runner(group, rank, seen, calls, cache_blocks=32)
+    runner = spread_runner(group, rank, seen, calls, cache_blocks=32)
     runner.speculative_config, runner.uniform_decode_query_len = SimpleNamespace(num_speculative_tokens=3), 4
     runner.attn_groups, runner.uses_mrope = [["attention"], ["gdn"]], False
     layers = runner._attention_groups[0][1]
@@ -601,7 +393,7 @@ def _verification_steps(rank, group):
     runner.num_accepted_tokens = CpuGpuBuffer(16, dtype=torch.int32, device=cpu, pin_memory=False)
     runner.num_decode_draft_tokens = CpuGpuBuffer(16, dtype=torch.int32, device=cpu, pin_memory=False)
     runner.num_accepted_tokens.gpu.copy_(torch.arange(16) % 4 + 1)  # request i: 1 + i % 4 accepted
-    _graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE, query_len=4)
+    cuda_graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE, query_len=4)
     prepare = GPUModelRunner._prepare_inputs  # the stand-in's
 
     def buffers(self):
@@ -634,7 +426,7 @@ def _verification_steps(rank, group):
             runner.decode_owners.prefill_end["e"] = 10 ** 6
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
-                                             num_prompt_tokens=np.array(num_prompt), block_table=_BlockTables(),
+                                             num_prompt_tokens=np.array(num_prompt), block_table=BlockTables(),
                                              req_id_to_index={r: i for i, r in enumerate(req_ids)})
         runner.requests = {r: SimpleNamespace(num_tokens=n + 4, block_ids=([], list(range(base[r], base[r] + 4))))
                            for r, n in zip("abcdep", [17, 40, 3000, 700, 9, 600])}
@@ -750,7 +542,7 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
             ids, pos = step["whole"]
             slots = torch.arange(len(ids)) * 11 + 7
             for j, (k, v) in enumerate(step["kv"]):
-                assert torch.equal(k[slots], _expected(ids, pos) + j) and torch.equal(v[slots], -k[slots]), (name, rank, j)
+                assert torch.equal(k[slots], expected_rows(ids, pos) + j) and torch.equal(v[slots], -k[slots]), (name, rank, j)
         assert results["decode3"]["owner"] == ([0, 1, 2] if world_size == 4 else [0, 1, 0])  # pcp=4: rank 3 none
         assert results["decode_lopsided"]["owner"] == [0] * 5 and results["decode_lopsided"]["owned"].num_rows == 8
         # a mixed step splits as before: the layers get the step's PCP context, no owned batch
@@ -815,7 +607,7 @@ def test_verification_steps_spread_through_the_runner(spread_runs):
             ids, pos = step["whole"]
             slots = torch.arange(20) * 11 + 7
             for j, (k, v) in enumerate(step["kv"]):
-                assert torch.equal(k[slots], _expected(ids, pos) + j) and torch.equal(v[slots], -k[slots])
+                assert torch.equal(k[slots], expected_rows(ids, pos) + j) and torch.equal(v[slots], -k[slots])
             # the drafter's metadata is the whole batch's, built before the heads were written; every
             # buffer the step wrote holds the whole batch's values again after the forward
             assert (step["common"].drafter, step["common"].num_tokens, step["common"].num_reqs) == (True, 20, 5)
