@@ -8,7 +8,25 @@ their imports run beside the tests that come first (and inside pytest's output c
 print is shown with the test that was running).
 """
 
+import os
+import shutil
+import tempfile
+
 import pytest
+
+# vLLM names its ZMQ IPC sockets (the TP groups' shared-memory broadcasters among them) after a fresh
+# uuid in VLLM_RPC_BASE_PATH, /tmp by default, and leaves them there when a rank exits without closing
+# them: the tests' ranks put theirs in a folder of this run, which goes when the run ends. Set before
+# the rank servers start, so that every process of the run inherits it.
+_RPC_DIR = None
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    _RPC_DIR = tempfile.mkdtemp(prefix="qwen36_pcp_tests_")
+    os.environ["VLLM_RPC_BASE_PATH"] = _RPC_DIR
+
+
+def pytest_unconfigure(config):
+    if _RPC_DIR is not None:
+        shutil.rmtree(_RPC_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,11 +5,14 @@
 
 Without MODEL_DIR it writes the tiny random-weight checkpoint (real Qwen3.6 layout) to
 ``--checkpoint-dir`` first. The plugin is found through vLLM's ``vllm.general_plugins`` entry point:
-nothing to import. Needs as many GPUs as ``--pcp`` (Hopper or newer: flash-attention 3).
+nothing to import for it to work; the one import from it here checks the GPUs and the options before
+anything is written or the engine starts (one line and exit code 1 if they do not fit). Needs as many
+GPUs as ``--pcp`` (Hopper or newer: flash-attention 3).
 """
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -22,6 +25,15 @@ def main():
     parser.add_argument("--llm-kwargs", type=json.loads, default={},
                         help='further LLM(...) arguments as JSON, e.g. \'{"enforce_eager": true}\'')
     args = parser.parse_args()
+
+    from qwen36_pcp.checks import refusal_here
+
+    kw = args.llm_kwargs
+    refusal = refusal_here(args.pcp, kw.get("tensor_parallel_size", 1), kw.get("additional_config"),
+                           pp=kw.get("pipeline_parallel_size", 1), dp=kw.get("data_parallel_size", 1),
+                           nnodes=kw.get("nnodes", 1))
+    if refusal is not None:
+        sys.exit(str(refusal))  # its message on stderr, exit code 1
 
     model = args.model
     if model is None:

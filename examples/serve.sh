@@ -16,9 +16,14 @@ if [[ $# -gt 0 && $1 != -* ]]; then
   MAX_MODEL_LEN=$1
   shift
 fi
-exec vllm serve "$MODEL" \
-  --hf-overrides '{"architectures": ["Qwen3_6ForCausalLM"]}' \
-  -pcp "$PCP" \
-  --max-model-len "${MAX_MODEL_LEN:-32768}" \
-  --port "${PORT:-8000}" \
-  "$@"
+ARGS=("$MODEL"
+  --hf-overrides '{"architectures": ["Qwen3_6ForCausalLM"]}'
+  -pcp "$PCP"
+  --max-model-len "${MAX_MODEL_LEN:-32768}"
+  --port "${PORT:-8000}"
+  "$@")
+# what the plugin refuses before an engine exists (no GPU, too few, a bad option) ends here in one line
+# and exit code 1, before vLLM's start prints its own lines around the same message
+python -c 'import sys; from qwen36_pcp.checks import command_line_refusal as r; e = r(sys.argv[1:]); sys.exit(e and str(e))' \
+  serve "${ARGS[@]}"
+exec vllm serve "${ARGS[@]}"

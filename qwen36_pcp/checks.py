@@ -2,7 +2,9 @@
 with one message that names every problem (``validate_pcp_config``, run from our model's config check,
 ``patches._config_check_class``), and what cannot wait for a config (bad options, no GPU, nodes) is
 refused before vLLM's own checks (``before_config_error``). They read the config only; the one thing
-they set is the worker class and the GDN prefill backend PCP needs.
+they set is the worker class and the GDN prefill backend PCP needs. ``startup_problems`` is the list
+both the engine and ``doctor`` judge; every refusal is a ``refusal.Refusal``, which an uncaught one
+turns into its message alone and exit code 1.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .config import (
     uses_pcp,
 )
 from .expert_memory import checkpoint_quant_config, online_schemes, whole_experts_problems
+from .refusal import ConfigRefusal, MachineRefusal, Refusal
 
 logger = logging.getLogger("vllm.qwen36_pcp")  # under vLLM's logger, so that it shows in the engine's log
 
@@ -39,14 +42,42 @@ def validate_pcp_config(vllm_config) -> None:
     """Reject, at startup and with one clear message, what PCP for Qwen3.6 does not support."""
     if not uses_pcp(vllm_config):
         return
-    pc = vllm_config.parallel_config
-    problems = []
+    problems = startup_problems(vllm_config)
+    try:
+        warn_encoder_graphs(vllm_config, pcp_config_of(vllm_config))
+    except ValueError:
+        pass  # a bad option: among the problems
+    if problems:
+        pc = vllm_config.parallel_config
+        raise ConfigRefusal(
+            f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
+            f"{our_architecture(vllm_config)} does not support: " + "; ".join(problems) + "."
+        )
+
+
+def option_error(e: Exception) -> str:
+    """The message of a bad option's ``ValueError`` / ``TypeError``, naming the plugin."""
+    return str(e) if str(e).startswith("qwen36_pcp") else f"qwen36_pcp: {e}"
+
+
+def option_problems(vllm_config) -> list[str]:
+    """The plugin options' problems: a value the plugin does not know, or a combination with the rest of
+    the config that it refuses."""
     try:
         config = pcp_config_of(vllm_config)
-        problems += spread_decode_problems(vllm_config, config)
-        warn_encoder_graphs(vllm_config, config)
-    except ValueError as e:
-        problems.append(str(e))
+    except (ValueError, TypeError) as e:
+        return [option_error(e)]
+    return spread_decode_problems(vllm_config, config)
+
+
+def startup_problems(vllm_config, machine: bool = True) -> list[str]:
+    """Everything the plugin refuses our model at pcp > 1 for, one phrase each, the options' first:
+    ``validate_pcp_config`` raises them in one message, ``doctor`` prints them one a line (for a
+    stand-in config built from its arguments). ``machine=False`` leaves out what this process's GPUs
+    decide (their number, whether whole experts fit): the doctor judges those itself, with the numbers
+    and the fix."""
+    pc = vllm_config.parallel_config
+    problems = option_problems(vllm_config)
     if pc.decode_context_parallel_size > 1:
         problems.append("decode context parallel (-dcp > 1) together with PCP")
     if pc.pipeline_parallel_size > 1:
@@ -84,13 +115,10 @@ def validate_pcp_config(vllm_config) -> None:
         )
     problems += per_token_metadata_problems(vllm_config)
     problems += fp8_problems(vllm_config)
-    problems += whole_experts_problems(vllm_config)
-    problems += visible_gpu_problems(vllm_config)
-    if problems:
-        raise ValueError(
-            f"qwen36_pcp: prefill_context_parallel_size={pc.prefill_context_parallel_size} with "
-            f"{our_architecture(vllm_config)} does not support: " + "; ".join(problems) + "."
-        )
+    problems += whole_experts_problems(vllm_config, memory=machine)
+    if machine:
+        problems += visible_gpu_problems(vllm_config)
+    return problems
 
 
 def warn_encoder_graphs(vllm_config, config: PCPConfig) -> None:
@@ -132,9 +160,10 @@ def speculative_problems(vllm_config) -> list[str]:
     draft = getattr(spec, "draft_model_config", None)
     arch = list(getattr(getattr(draft, "hf_config", None), "architectures", None) or [])
     if spec.method != MTP_METHOD or not arch or arch[0] not in MTP_DRAFTERS:
-        return [f"speculative decoding method {spec.method!r} (draft {arch or None}) together with PCP: only "
-                "the checkpoint's own MTP head is supported, --speculative-config '{\"method\": \"mtp\", "
-                "\"num_speculative_tokens\": K}'"]
+        draft = f" (draft {arch or None})" if spec.method == MTP_METHOD else ""  # another method: that is all
+        return [(f"speculative decoding method {spec.method!r}{draft} together with PCP: only the checkpoint's "
+                 "own MTP head is supported, --speculative-config '{\"method\": \"mtp\", "
+                 "\"num_speculative_tokens\": K}'")]
     pc = vllm_config.parallel_config
     problems = []
     draft_tp = getattr(spec, "draft_tensor_parallel_size", None)
@@ -259,18 +288,26 @@ def visible_gpu_problems(vllm_config) -> list[str]:
     pc = vllm_config.parallel_config
     if pc.worker_cls != "auto" or pc.distributed_executor_backend not in (None, "mp"):
         return []  # Ray and external launchers place ranks on other nodes than this one
-    try:
-        from vllm.platforms import current_platform
-
-        count = current_platform.device_count()
-    except Exception:  # noqa: BLE001 - a platform without the notion: nothing to judge
-        return []
+    count = visible_gpu_count()
     need = pc.local_world_size
     if not count or count >= need:
         return []
-    return [f"{count} visible GPU(s) for tensor_parallel_size={pc.tensor_parallel_size} x "
-            f"prefill_context_parallel_size={pc.prefill_context_parallel_size} = {need} ranks on this "
-            "node (each rank needs a GPU of its own; check CUDA_VISIBLE_DEVICES)"]
+    return [few_gpus_problem(count, pc.tensor_parallel_size, pc.prefill_context_parallel_size, need)]
+
+
+def visible_gpu_count() -> int:
+    """The GPUs vLLM's platform sees in this process (CUDA_VISIBLE_DEVICES applies); 0 without any."""
+    try:
+        from vllm.platforms import current_platform
+
+        return int(current_platform.device_count() or 0)
+    except Exception:  # noqa: BLE001 - a platform without the notion: nothing to count
+        return 0
+
+
+def few_gpus_problem(count: int, tp: int, pcp: int, need: int) -> str:
+    return (f"{count} visible GPU(s) for tensor_parallel_size={tp} x prefill_context_parallel_size={pcp} = "
+            f"{need} ranks on this node (each rank needs a GPU of its own; check CUDA_VISIBLE_DEVICES)")
 
 
 def gdn_prefill_backend(vllm_config) -> str:
@@ -310,46 +347,70 @@ def options_message(additional_config, pcp: int) -> str | None:
     try:
         config = PCPConfig.from_additional_config(additional_config)
     except (ValueError, TypeError) as e:
-        return str(e) if str(e).startswith("qwen36_pcp") else f"qwen36_pcp: {e}"
+        return option_error(e)
     note = below_split_floor(config, pcp)
     if note is not None:
         logger.warning(note)
     return None
 
 
-def before_config_error(engine_args) -> Exception | None:
-    """What refuses our model's engine arguments before vLLM builds a config, in the order a user fixes
-    them: the plugin's options (on any machine), a GPU (vLLM's own words there name neither PCP nor the
-    fix), then PCP across nodes (vLLM's bare assertion leaves PCP out)."""
-    pcp = engine_args.prefill_context_parallel_size
-    message = options_message(engine_args.additional_config, pcp)
+def before_config_error(engine_args) -> Refusal | None:
+    """What refuses our model's engine arguments before vLLM builds a config (``refusal_before_config``)."""
+    return refusal_before_config(engine_args.prefill_context_parallel_size, engine_args.tensor_parallel_size,
+                                 engine_args.additional_config, pp=engine_args.pipeline_parallel_size,
+                                 dp=engine_args.data_parallel_size, nnodes=engine_args.nnodes)
+
+
+def refusal_before_config(pcp: int, tp: int = 1, additional_config=None, *, pp: int = 1, dp: int = 1,
+                          nnodes: int = 1) -> Refusal | None:
+    """What refuses our model before vLLM builds a config, in the order a user fixes it: the plugin's
+    options (on any machine), a GPU (vLLM's own words there name neither PCP nor the fix), then PCP
+    across nodes (vLLM's bare assertion leaves PCP out)."""
+    message = options_message(additional_config, pcp)
     if message is not None:
-        return ValueError(message)
+        return ConfigRefusal(message)
     if pcp <= 1:
         return None
-    message = no_gpu_message(pcp, engine_args.tensor_parallel_size, device_type())
+    message = no_gpu_message(pcp, tp, device_type())
     if message is not None:
-        return RuntimeError(message)
-    message = nnodes_message(engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size,
-                             engine_args.data_parallel_size, pcp, engine_args.nnodes)
-    return None if message is None else ValueError(message)
+        return MachineRefusal(message)
+    message = nnodes_message(tp, pp, dp, pcp, nnodes)
+    return None if message is None else ConfigRefusal(message)
+
+
+def refusal_here(pcp: int, tp: int = 1, additional_config=None, *, pp: int = 1, dp: int = 1,
+                 nnodes: int = 1) -> Refusal | None:
+    """``refusal_before_config`` for a start on this machine (vLLM's multiprocessing executor, as the
+    examples start it), and this node's share of the ranks against its visible GPUs, at any pcp: what
+    an example checks before it writes a checkpoint or imports vLLM's engine."""
+    refusal = refusal_before_config(pcp, tp, additional_config, pp=pp, dp=dp, nnodes=nnodes)
+    if refusal is not None:
+        return refusal
+    need = -(-tp * pp * dp * pcp // max(nnodes, 1))
+    kind = device_type()
+    if kind != "cuda":
+        return MachineRefusal(no_gpu_message(pcp, tp, kind, any_pcp=True))
+    count = visible_gpu_count()
+    if count < need:
+        return MachineRefusal(f"qwen36_pcp: {few_gpus_problem(count, tp, pcp, need)}.")
+    return None
 
 
 # ------------------------------------------------------------------------------ no GPU at all
-def no_gpu_message(pcp: int, tp: int, device_type: str) -> str | None:
-    """The startup error for PCP where vLLM found no NVIDIA GPU platform, or None (pcp == 1, or a CUDA
-    platform: from there on the config checks and ``visible_gpu_problems`` judge). vLLM's own words
-    there name neither the GPUs nor PCP ("Device string must not be empty", "Failed to infer device
-    type"); ``before_config_error`` returns this one instead, for our model only."""
-    if pcp <= 1 or device_type == "cuda":
+def no_gpu_message(pcp: int, tp: int, device_type: str, any_pcp: bool = False) -> str | None:
+    """The startup error for PCP where vLLM found no NVIDIA GPU platform, or None (pcp == 1 unless
+    ``any_pcp``, or a CUDA platform: from there on the config checks and ``visible_gpu_problems``
+    judge). vLLM's own words there name neither the GPUs nor PCP ("Device string must not be empty",
+    "Failed to infer device type"); ``before_config_error`` returns this one instead, for our model only."""
+    if (pcp <= 1 and not any_pcp) or device_type == "cuda":
         return None
     if device_type:
         where = f"this vLLM runs on its {device_type!r} platform, not on NVIDIA GPUs"
     else:
         where = f"no GPU is visible (CUDA not available: {_nvidia_driver_status()})"
-    return (f"qwen36_pcp: prefill_context_parallel_size={pcp} x tensor_parallel_size={tp} needs "
-            f"{pcp * tp} NVIDIA GPUs (one per rank); {where}. Start it on a machine "
-            f"where nvidia-smi lists {pcp * tp} GPUs.")
+    gpus = f"{pcp * tp} NVIDIA GPU{'s' if pcp * tp > 1 else ''}"
+    return (f"qwen36_pcp: prefill_context_parallel_size={pcp} x tensor_parallel_size={tp} needs {gpus} (one "
+            f"per rank); {where}. Start it on a machine where nvidia-smi lists {gpus.replace(' NVIDIA', '')}.")
 
 
 def _nvidia_driver_status() -> str:
@@ -414,7 +475,7 @@ def names_our_architecture(model, hf_overrides) -> bool:
     return isinstance(archs, (list, tuple)) and any(a in ARCHITECTURES for a in archs)
 
 
-def cli_before_config_error(argv: list[str], device_type: str) -> Exception | None:
+def cli_before_config_error(argv: list[str], device_type: str) -> Refusal | None:
     """``before_config_error`` for a command line such as ``vllm serve MODEL --hf-overrides ... -pcp 2``
     on a machine where vLLM fails before parsing it (no GPU): the plugin options' error, else
     ``no_gpu_message``; None if it does not ask for our model at pcp > 1 or cannot be read."""
@@ -424,9 +485,20 @@ def cli_before_config_error(argv: list[str], device_type: str) -> Exception | No
     if args.additional_config is not None:
         message = options_message(args.additional_config, args.prefill_context_parallel_size)
         if message is not None:
-            return ValueError(message)
+            return ConfigRefusal(message)
     message = no_gpu_message(args.prefill_context_parallel_size, args.tensor_parallel_size, device_type)
-    return None if message is None else RuntimeError(message)
+    return None if message is None else MachineRefusal(message)
+
+
+def command_line_refusal(argv: list[str]) -> Refusal | None:
+    """``refusal_here`` for a ``vllm serve`` command line (its words after ``vllm``), or None if it does
+    not ask for our model: what examples/serve.sh checks before it starts vLLM, whose own start on a
+    machine without a GPU prints a screen of log lines before the plugin's message."""
+    args = _read_command_line(argv)
+    if args is None:
+        return None
+    return refusal_here(args.prefill_context_parallel_size, args.tensor_parallel_size, args.additional_config,
+                        pp=args.pipeline_parallel_size, dp=args.data_parallel_size, nnodes=args.nnodes)
 
 
 def cli_no_gpu_message(argv: list[str], device_type: str) -> str | None:
@@ -455,6 +527,9 @@ def _read_command_line(argv: list[str]):
     reader.add_argument("--hf-overrides")
     reader.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     reader.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
+    reader.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    reader.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    reader.add_argument("--nnodes", "-n", type=int, default=1)
     reader.add_argument("--additional-config")
     try:
         args = reader.parse_args(list(argv))

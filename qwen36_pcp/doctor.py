@@ -3,9 +3,11 @@
 An engine start takes minutes (weights, compilation) and a wrong setup shows itself only at its end,
 in vLLM's words. The doctor answers the usual questions in seconds, without building an engine and
 without a network: the vLLM version, whether vLLM will load the plugin, the GPUs, the options, and
-whether the MoE experts fit per GPU. It prints one line per check and, for a problem, what to change;
-the exit code is 0 when nothing is a problem. "note" lines (no GPU to compare with, an unverified GPU
-generation) inform and do not fail.
+whether the MoE experts fit per GPU. What the engine would refuse at startup it finds with the
+engine's own function, ``checks.startup_problems``, run on a stand-in for the engine's config made of
+vLLM's config classes and the checkpoint's config.json (``engine_config_like``). It prints one line per
+check and, for a problem, what to change; the exit code is 0 when nothing is a problem. "note" lines
+(no GPU to compare with, an unverified GPU generation) inform and do not fail.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 from . import SUPPORTED_VLLM_VERSION, vllm_version
-from .config import ARCHITECTURE, PCPConfig, below_split_floor, misspelled_option_keys
+from .config import ARCHITECTURE, MTP_METHOD, PCPConfig, below_split_floor, misspelled_option_keys, pcp_config_of
 
 OK, NOTE, PROBLEM = "ok", "note", "PROBLEM"
 SHARDED = '--additional-config \'{"qwen36_pcp": {"moe_experts": "sharded"}}\''
@@ -115,29 +117,98 @@ def check_gpus(gpus: list[Gpu], tp: int, pcp: int) -> list[Check]:
 
 
 # ----------------------------------------------------------------------------- options
-def check_options(text: str | None) -> tuple[list[Check], PCPConfig | None]:
-    """The plugin's options as its startup check reads them; vLLM passes other additional_config keys
-    on silently, so a misspelled ``qwen36_pcp`` key would leave the options unused without a word."""
+def read_json(text: str | None, flag: str, example: str) -> tuple[list[Check], dict | None]:
+    """A JSON-object argument as vLLM reads it; a problem line if it is not one."""
     try:
-        additional = json.loads(text) if text else {}
+        value = json.loads(text) if text else {}
     except ValueError as e:
-        return [Check(PROBLEM, f"--additional-config is not JSON: {e}",
-                      'quote it for the shell: --additional-config \'{"qwen36_pcp": {...}}\'')], None
-    if not isinstance(additional, dict):
-        return [Check(PROBLEM, "--additional-config must be a JSON object",
-                      'pass --additional-config \'{"qwen36_pcp": {...}}\'')], None
-    checks = [Check(PROBLEM, f"additional_config key {key!r} looks like a misspelling of 'qwen36_pcp'; vLLM "
-                             "ignores unknown keys, so these options would not be used",
-                    f"rename {key!r} to 'qwen36_pcp'") for key in misspelled_option_keys(additional)]
-    options = additional.get("qwen36_pcp")
-    if options is not None and not isinstance(options, dict):
-        return checks + [Check(PROBLEM, f"additional_config['qwen36_pcp'] must be a JSON object, got "
-                                        f"{options!r}", 'pass {"qwen36_pcp": {"moe_experts": "sharded"}}')], None
-    try:
-        config = PCPConfig.from_additional_config(additional)
-    except (ValueError, TypeError) as e:
-        return checks + [Check(PROBLEM, f"options: {e}", "fix the qwen36_pcp options as the message says")], None
-    return checks + [Check(OK, f"options: {config}")], config
+        return [Check(PROBLEM, f"{flag} is not JSON: {e}", f"quote it for the shell: {flag} '{example}'")], None
+    if not isinstance(value, dict):
+        return [Check(PROBLEM, f"{flag} must be a JSON object", f"pass {flag} '{example}'")], None
+    return [], value
+
+
+def check_options(text: str | None) -> tuple[list[Check], dict | None]:
+    """The text of ``--additional-config``: JSON, and no misspelled ``qwen36_pcp`` key (vLLM passes
+    other additional_config keys on silently, so the options would go unused without a word: the
+    engine only warns). The options themselves are judged by the engine's checks (``check_engine``)."""
+    checks, additional = read_json(text, "--additional-config", '{"qwen36_pcp": {...}}')
+    if additional is None:
+        return checks, None
+    return checks + [Check(PROBLEM, f"additional_config key {key!r} looks like a misspelling of 'qwen36_pcp'; "
+                                    "vLLM ignores unknown keys, so these options would not be used",
+                           f"rename {key!r} to 'qwen36_pcp'") for key in misspelled_option_keys(additional)], additional
+
+
+# ----------------------------------------------------------------------------- the engine's checks
+def speculative_like(spec: dict | None, config: dict | None, tp: int) -> SimpleNamespace | None:
+    """The ``SpeculativeConfig`` attributes the startup checks read, from ``--speculative-config``:
+    vLLM's method names (an MTP alias is "mtp"; none given: "ngram" or a draft model) and, for MTP,
+    the drafter vLLM makes of the checkpoint (``SpeculativeConfig.hf_config_override``, vLLM's own)."""
+    if not spec:
+        return None
+    from typing import get_args
+
+    from vllm.config.speculative import MTPModelTypes, SpeculativeConfig
+
+    method = spec.get("method") or ("ngram" if spec.get("model") in ("ngram", "[ngram]") else "draft_model")
+    method = MTP_METHOD if method in get_args(MTPModelTypes) else method
+    draft = None
+    if method == MTP_METHOD and config is not None:
+        from transformers import PretrainedConfig
+
+        text = config.get("text_config") or config
+        hf = PretrainedConfig(model_type=config.get("model_type"), architectures=config.get("architectures"),
+                              mtp_num_hidden_layers=text.get("mtp_num_hidden_layers"))
+        draft = SimpleNamespace(hf_config=SpeculativeConfig.hf_config_override(hf))
+    return SimpleNamespace(method=method, draft_model_config=draft,  # vLLM's draft tp: the target's unless given
+                           draft_tensor_parallel_size=tp if spec.get("draft_tensor_parallel_size") is None
+                           else spec["draft_tensor_parallel_size"])
+
+
+def engine_config_like(config: dict | None, tp: int, pcp: int, additional: dict, spec: dict | None = None,
+                       enable_prefix_caching: bool = False, gpu_memory_utilization: float = 0.9) -> SimpleNamespace:
+    """A stand-in for the ``VllmConfig`` of ``vllm serve MODEL -tp TP -pcp PCP`` with our architecture and
+    these arguments, everything else at vLLM's defaults (one node, vLLM's multiprocessing executor): the
+    attributes the startup checks read, the model's from config.json (``model_config_like``; None: no
+    model, only the options can be judged). Plain values rather than vLLM's config classes, which take
+    seconds to import; tests/test_refusals.py holds them to the real config of the same arguments."""
+    model = SimpleNamespace(architectures=[ARCHITECTURE], runner_type="generate", quantization=None,
+                            enable_return_routed_experts=False, quantization_config=None, hf_text_config=None)
+    if config is not None:
+        model.__dict__.update(vars(model_config_like(config)))
+    parallel = SimpleNamespace(
+        tensor_parallel_size=tp, prefill_context_parallel_size=pcp, decode_context_parallel_size=1,
+        pipeline_parallel_size=1, data_parallel_size=1, local_world_size=tp * pcp, worker_cls="auto",
+        distributed_executor_backend="mp" if tp * pcp > 1 else "uni", enable_eplb=False,
+        enable_expert_parallel=False, cp_kv_cache_interleave_size=1)
+    cache = SimpleNamespace(cache_dtype="auto", enable_prefix_caching=enable_prefix_caching,
+                            gpu_memory_utilization=gpu_memory_utilization, kv_offloading_size=None)
+    compilation = SimpleNamespace(pass_config=SimpleNamespace(enable_sp=False, fuse_gemm_comms=False),
+                                  cudagraph_mm_encoder=False)
+    return SimpleNamespace(
+        model_config=model, parallel_config=parallel, cache_config=cache, compilation_config=compilation,
+        attention_config=SimpleNamespace(backend=None), additional_config=dict(additional),
+        speculative_config=speculative_like(spec, config, tp), lora_config=None, kv_transfer_config=None,
+        ec_transfer_config=None)
+
+
+def check_engine(like: SimpleNamespace) -> list[Check]:
+    """What the engine's startup check refuses, each as a line: the options (their values at any pcp,
+    their combinations at pcp > 1: ``checks.option_problems``), and with a model everything else
+    ``checks.startup_problems`` judges, but for this machine's GPUs (``check_gpus``, ``check_model``)."""
+    from .checks import option_problems, startup_problems
+    from .config import uses_pcp
+
+    options = option_problems(like)
+    checks = [Check(PROBLEM, f"options: {p}", "change the qwen36_pcp options as the message says") for p in options]
+    if not options:
+        checks.append(Check(OK, f"options: {pcp_config_of(like)}"))
+    if like.model_config.hf_text_config is not None and uses_pcp(like):
+        pcp = like.parallel_config.prefill_context_parallel_size
+        checks += [Check(PROBLEM, f"-pcp {pcp} does not support {p}")  # each names its way out
+                   for p in startup_problems(like, machine=False) if p not in options]
+    return checks
 
 
 # ----------------------------------------------------------------------------- the model
@@ -184,7 +255,7 @@ def model_config_like(config: dict) -> SimpleNamespace:
 
 
 def check_model(config: dict, tp: int, pcp: int, options: PCPConfig | None, gpus: list[Gpu],
-                utilization: float) -> list[Check]:
+                utilization: float, speculative: SimpleNamespace | None = None) -> list[Check]:
     """PCP here is for Gated DeltaNet + full-attention hybrids; with ``moe_experts="replicated"`` (the
     default) every expert is whole on every PCP rank, split over tp only, and the engine's startup
     check refuses experts above 80% of the memory gpu_memory_utilization allows."""
@@ -194,14 +265,13 @@ def check_model(config: dict, tp: int, pcp: int, options: PCPConfig | None, gpus
     text = like.hf_text_config
     layer_types = list(getattr(text, "layer_types", None) or [])
     if pcp > 1 and not {"linear_attention", "full_attention"} <= set(layer_types):
-        return [Check(PROBLEM, f"not a hybrid model (layer_types={sorted(set(layer_types))}): PCP here is "
-                               "for Gated DeltaNet + full-attention models such as Qwen3.6",
-                      "use a Qwen3.6 / Qwen3.5 hybrid checkpoint, or -pcp 1")]
+        return []  # the engine refuses it (check_engine says so): the experts do not matter
     if not getattr(text, "num_experts", 0):
         return [Check(OK, "experts: none (a dense model)")]
     moe = options.moe_experts if options is not None else "replicated"
     split = tp if moe == "replicated" else tp * pcp
-    need = whole_experts_bytes(SimpleNamespace(model_config=like), split)
+    served = SimpleNamespace(model_config=like, speculative_config=speculative)  # the MTP drafter's experts too
+    need = whole_experts_bytes(served, split)
     if need is None:
         return [Check(NOTE, f"experts: no memory estimate for quantization={like.quantization!r}; make sure "
                             f"they fit, or pass {SHARDED}")]
@@ -216,8 +286,8 @@ def check_model(config: dict, tp: int, pcp: int, options: PCPConfig | None, gpus
     if need <= allowed:
         return [Check(OK, f"{held}, within the {gib(allowed)} the startup check allows (80% of "
                           f"gpu_memory_utilization={utilization} x {gib(total)})")]
-    more_tp = whole_experts_bytes(SimpleNamespace(model_config=like), 2 * tp)
-    sharded = whole_experts_bytes(SimpleNamespace(model_config=like), tp * pcp)
+    more_tp = whole_experts_bytes(served, 2 * tp)
+    sharded = whole_experts_bytes(served, tp * pcp)
     return [Check(PROBLEM, f"{held}, more than the {gib(allowed)} the startup check allows (80% of "
                            f"gpu_memory_utilization={utilization} x {gib(total)})",
                   f"pass {SHARDED} ({gib(sharded)} per GPU), or raise tp (-tp {2 * tp}: {gib(more_tp)})")]
@@ -225,7 +295,8 @@ def check_model(config: dict, tp: int, pcp: int, options: PCPConfig | None, gpus
 
 # ----------------------------------------------------------------------------- the report
 def run(model: str | None, tp: int = 1, pcp: int = 2, additional_config: str | None = None,
-        gpu_memory_utilization: float = 0.9, out: Callable[[str], None] = print) -> int:
+        gpu_memory_utilization: float = 0.9, speculative_config: str | None = None,
+        enable_prefix_caching: bool = False, out: Callable[[str], None] = print) -> int:
     """Print every check; 0 when none is a problem, else 1."""
     checks = [check_vllm(), check_plugin()]
     sizes = [Check(PROBLEM, f"-{name} {n}: must be 1 or more", f"pass -{name} 1 or more")
@@ -233,9 +304,11 @@ def run(model: str | None, tp: int = 1, pcp: int = 2, additional_config: str | N
     if not 0 < gpu_memory_utilization <= 1:
         sizes.append(Check(PROBLEM, f"--gpu-memory-utilization {gpu_memory_utilization}: must be in (0, 1]",
                            "pass a fraction such as 0.9"))
-    option_checks, options = check_options(additional_config)
+    option_checks, additional = check_options(additional_config)
+    spec_checks, spec = read_json(speculative_config, "--speculative-config",
+                                  '{"method": "mtp", "num_speculative_tokens": 3}')
     if sizes:  # the GPU and memory checks need sane sizes
-        return report(checks + sizes + option_checks, out)
+        return report(checks + sizes + option_checks + spec_checks, out)
     try:
         gpus = visible_gpus()
     except Exception as e:  # noqa: BLE001 - a broken driver is itself the answer
@@ -244,29 +317,44 @@ def run(model: str | None, tp: int = 1, pcp: int = 2, additional_config: str | N
                             "check the NVIDIA driver: nvidia-smi should list the GPUs"))
     else:
         checks += check_gpus(gpus, tp, pcp)
-    checks += option_checks
-    note = below_split_floor(options, pcp) if options is not None else None
-    if note is not None:
-        checks.append(Check(NOTE, note.removeprefix("qwen36_pcp: ")))
-    if model is None:
-        checks.append(Check(NOTE, "model checks skipped: no MODEL given (a checkpoint folder or a preset)"))
-    else:
+    checks += option_checks + spec_checks
+    config, like, options = None, None, None
+    if model is not None:
         try:
             config = read_model_config(model)
         except (OSError, ValueError) as e:
             checks.append(Check(PROBLEM, f"model: {e}", "pass the checkpoint's folder (it holds config.json)"))
-        else:
-            try:
-                checks += check_model(config, tp, pcp, options, gpus, gpu_memory_utilization)
-            except (AttributeError, KeyError, TypeError) as e:
-                checks.append(Check(PROBLEM, f"model: its config.json cannot be read as a Qwen3.6 config "
-                                             f"({type(e).__name__}: {e})", "pass a Qwen3.6 / Qwen3.5 checkpoint"))
+    unreadable = "model: its config.json cannot be read as a Qwen3.6 config ({}: {})"
+    if additional is not None and spec is not None:
+        like = engine_config_like(config, tp, pcp, additional, spec, enable_prefix_caching, gpu_memory_utilization)
+        try:
+            checks += check_engine(like)
+        except (AttributeError, KeyError, TypeError) as e:
+            checks.append(Check(PROBLEM, unreadable.format(type(e).__name__, e), "pass a Qwen3.6 / Qwen3.5 checkpoint"))
+            config = None
+        try:
+            options = pcp_config_of(like)
+        except (ValueError, TypeError):
+            pass  # a problem line already
+        note = below_split_floor(options, pcp) if options is not None else None
+        if note is not None:
+            checks.append(Check(NOTE, note.removeprefix("qwen36_pcp: ")))
+    if model is None:
+        checks.append(Check(NOTE, "model checks skipped: no MODEL given (a checkpoint folder or a preset)"))
+    elif config is not None:
+        try:
+            checks += check_model(config, tp, pcp, options, gpus, gpu_memory_utilization,
+                                  like.speculative_config if like is not None else None)
+        except (AttributeError, KeyError, TypeError) as e:
+            checks.append(Check(PROBLEM, unreadable.format(type(e).__name__, e), "pass a Qwen3.6 / Qwen3.5 checkpoint"))
     if report(checks, out):
         return 1
     # a preset names a config, not a checkpoint vLLM could load
     path = model if model is not None and (os.path.exists(model) or "/" in model) else "MODEL_DIR"
     serve = f"vllm serve {path} --hf-overrides '{{\"architectures\": [\"{ARCHITECTURE}\"]}}'"
     extra = f" --additional-config '{additional_config}'" if additional_config else ""
+    extra += f" --speculative-config '{speculative_config}'" if speculative_config else ""
+    extra += " --enable-prefix-caching" if enable_prefix_caching else ""
     out(f"no problem found; start it with: {serve} -tp {tp} -pcp {pcp}{extra}")
     return 0
 

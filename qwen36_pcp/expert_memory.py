@@ -131,8 +131,9 @@ def _memory_not_checked(detail: str) -> None:
                    "additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}}", detail)
 
 
-def whole_experts_problems(vllm_config) -> list[str]:
-    """Startup checks for whole experts: expert parallel would split them; they must fit a GPU."""
+def whole_experts_problems(vllm_config, memory: bool = True) -> list[str]:
+    """Startup checks for whole experts: expert parallel would split them; they must fit a GPU
+    (``memory``: judged against this process's GPU; the doctor judges it with its own numbers)."""
     if not wants_whole_experts(vllm_config):
         return []
     problems = []
@@ -141,6 +142,8 @@ def whole_experts_problems(vllm_config) -> list[str]:
             "enable_expert_parallel with moe_experts='replicated' (expert parallel splits the experts "
             "over the PCP ranks: pass additional_config={'qwen36_pcp': {'moe_experts': 'sharded'}})"
         )
+    if not memory:
+        return problems
     pc = vllm_config.parallel_config
     need = whole_experts_bytes(vllm_config, pc.tensor_parallel_size)  # experts still shard over TP
     if need is None:

@@ -9,14 +9,17 @@ after what it fixes:
   scheduler's blocks, the cache's memory and its block sizes must be pcp == 1's;
 * the startup messages (two): on a machine without a GPU vLLM fails before any config exists, in words
   that name neither PCP nor the fix, and refuses PCP across nodes with a bare assertion; bad plugin
-  options get their message first;
+  options get their message first; a refusal of our config check reaches the caller as itself, not
+  inside pydantic's ``ValidationError``;
 * the first token's detokenization (one): ``prompt_tail``.
 
 Besides these, ``install`` adds our model's config check to vLLM's ``MODELS_CONFIG_MAP`` (a registry
 vLLM reads by architecture) and, with ``QWEN36_PCP_DETERMINISTIC_GDN=1``, keeps three GDN kernels to
-configs that give one output (``deterministic_gdn``). Each wrapper calls vLLM's code unchanged unless our model
-runs at pcp > 1. ``install`` checks every target's signature first (a changed vLLM fails at startup
-with one message naming the hook), is idempotent, and ``uninstall`` puts vLLM's originals back.
+configs that give one output (``deterministic_gdn``), and puts ``refusal.excepthook`` in front of
+``sys.excepthook`` (Python's hook, not vLLM's: an uncaught refusal ends the program with its message
+alone). Each wrapper calls vLLM's code unchanged unless our model runs at pcp > 1. ``install`` checks
+every target's signature first (a changed vLLM fails at startup with one message naming the hook), is
+idempotent, and ``uninstall`` puts vLLM's originals back.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from . import checks, deterministic_gdn
+from . import checks, deterministic_gdn, refusal
 from .config import ARCHITECTURES, uses_pcp
 from .prompt_tail import prompt_tail
 
@@ -151,7 +154,13 @@ def _create_engine_config(orig):
             error = checks.before_config_error(self)
             if error is not None:
                 raise error
-        config = orig(self, *args, **kwargs)
+        try:
+            config = orig(self, *args, **kwargs)
+        except ValueError as e:  # pydantic's ValidationError is one
+            refused = refusal.refusal_in(e)
+            if refused is None or refused is e:
+                raise
+            raise refused from None  # our config check's message, without pydantic's listing around it
         if uses_pcp(config):
             _pcp_front_ends[id(config)] = config
         return config
@@ -191,7 +200,8 @@ PATCHES = (
     Patch(FullAttentionSpec, "max_memory_usage_bytes", ("self", "vllm_config"), _max_memory_usage_bytes,
           "a full-attention layer needs the whole sequence's KV on every PCP rank"),
     Patch(EngineArgs, "create_engine_config", ("self",), _create_engine_config,
-          "bad options, no GPU and nodes refused in words that name PCP, before vLLM's own checks"),
+          "bad options, no GPU and nodes refused in words that name PCP, before vLLM's own checks; "
+          "the config check's refusal raised as itself, not inside pydantic's ValidationError"),
     Patch(EngineArgs, "add_cli_args", ("parser",), _add_cli_args,
           "vllm serve without a GPU: PCP's message instead of vLLM's 'Failed to infer device type'"),
     Patch(FastIncrementalDetokenizer, "__init__", ("self", "tokenizer", "request"), _detokenizer_init,
@@ -233,6 +243,7 @@ def install() -> None:
             model_configs.MODELS_CONFIG_MAP[architecture] = _config_check_class()
     if deterministic_gdn.pin_gdn_configs_wanted(pcp=False):
         deterministic_gdn.pin_gdn_configs()
+    refusal.install_excepthook()
     _installed = True
 
 
@@ -244,5 +255,6 @@ def uninstall() -> None:
     for architecture in ARCHITECTURES:
         model_configs.MODELS_CONFIG_MAP.pop(architecture, None)
     deterministic_gdn.restore_gdn_configs()
+    refusal.uninstall_excepthook()
     _pcp_front_ends.clear()
     _installed = False

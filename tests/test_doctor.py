@@ -115,7 +115,8 @@ def option_error(additional_config: dict) -> str:
 @pytest.mark.parametrize("options, message", [
     ('{"qwen36_pcp": {"gdn_mode": "fast"}}', None),  # the plugin's own message for these two
     ('{"qwen36_pcp": {"moe_expert": "sharded"}}', None),
-    ('{"qwen36_pcp": "sharded"}', "PROBLEM additional_config['qwen36_pcp'] must be a JSON object, got 'sharded'"),
+    ('{"qwen36_pcp": "sharded"}', ("PROBLEM options: qwen36_pcp: additional_config['qwen36_pcp'] must be a JSON "
+                                   "object of options, got 'sharded'")),
     ("{qwen36_pcp: 1}", "PROBLEM --additional-config is not JSON: Expecting property name enclosed in double "
                         "quotes: line 1 column 2 (char 1)"),
 ])
@@ -277,7 +278,8 @@ def test_dense_and_non_hybrid_models(capsys, monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     rc, lines = run(capsys, str(tmp_path))
     assert rc == 1
-    assert line(lines, "PROBLEM not a hybrid model (layer_types=['full_attention'])")
+    assert line(lines, "PROBLEM -pcp 2 does not support a non-hybrid model (PCP here is for Gated DeltaNet + "
+                       "full-attention hybrids; layer_types=['full_attention'])")  # the engine's words
     assert run(capsys, str(tmp_path), "--pcp", "1")[0] == 0  # pcp=1 is vLLM's own model
 
 

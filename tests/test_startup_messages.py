@@ -82,12 +82,12 @@ def test_no_gpu_one_message_with_the_numbers(tiny_config_only):
     assert out["once"] and out["static"], out
     for key, gpus in (("llm", 2), ("llm_tp2", 4), ("serve", 2)):
         msg = out[key]
-        assert msg and msg.startswith("RuntimeError: qwen36_pcp: "), (key, msg)
+        assert msg and msg.startswith("MachineRefusal: qwen36_pcp: "), (key, msg)
         tp = 2 if key == "llm_tp2" else 1
         assert f"prefill_context_parallel_size=2 x tensor_parallel_size={tp} needs {gpus} NVIDIA GPUs" in msg
         assert NO_GPU in msg and "Device string" not in msg and "infer device type" not in msg, msg
     # a bad option has its own message first, before the GPU's
-    assert out["bad_option"].startswith("ValueError: qwen36_pcp: gdn_mode must be one of"), out["bad_option"]
+    assert out["bad_option"].startswith("ConfigRefusal: qwen36_pcp: gdn_mode must be one of"), out["bad_option"]
     assert "min_split_tokens must be an integer >= 1, got -5" in out["negative_option"], out["negative_option"]
     assert "unknown option(s) ['layuot']" in (out["serve_bad_option"] or ""), out["serve_bad_option"]
     # pcp == 1 and vLLM's own model: vLLM's behaviour and words, untouched
@@ -172,7 +172,7 @@ def test_pcp_across_nodes_one_message_with_the_numbers(tiny_config_only, fake_cu
     out = fake_cuda_ranks.isolated(_nnodes_startup, tiny_config_only, free_port())
     for key in ("llm", "serve", "serve_headless"):
         msg = out[key]
-        assert msg and msg.startswith("ValueError: qwen36_pcp: vLLM 0.20.2 needs tensor_parallel_size x "
+        assert msg and msg.startswith("ConfigRefusal: qwen36_pcp: vLLM 0.20.2 needs tensor_parallel_size x "
                                       "pipeline_parallel_size x data_parallel_size to be a multiple of "
                                       "nnodes"), (key, msg)
         assert "1 x 1 x 1 = 1 is not a multiple of nnodes=2" in msg, (key, msg)
