@@ -44,6 +44,35 @@ The model of one prefill step of T new tokens (Qwen3.6-35B-A3B shape, eager, bf1
 Across nodes of 8 H200s (TP inside a node, PCP across: the last table, docs/multi-node.md) TP's
 all-reduces stay on NVLink and PCP's collectives cross InfiniBand (constants below).
 
+**Steps of a running server** (``ServingStepModel``, for ``benchmarks/serve_sim.py``): vLLM serves compiled
+(torch.compile, CUDA graphs), and a step mixes prompt chunks, decode rows and MTP verification rows (1 + K
+rows per request):
+
+- **A step with prompt chunks**: the eager model's GPU time above times ``compiled_scale`` plus
+  ``compiled_step_s`` per step, both fitted (least squares) to pcp=1's compiled TTFT in one step and in
+  chunks of 8192 and 16384 tokens (``COMPILED``, one H200). At pcp=N a chunk of at least the split
+  threshold (``min_split_tokens``, 4096) is split as ``step`` splits one; the other chunks and every decode
+  and verification row run whole on every rank (replicated), priced as pcp=1's rows; the per-kind constants
+  count once per step. A step of at most ``GRAPH_TOKENS`` tokens replays vLLM's CUDA graphs: no
+  ``compiled_step_s``.
+- **Decode and verification rows** (``decode_s``): a roofline, ``decode_fixed_s`` + max(the bytes a step
+  reads from HBM at 80% of peak, its rows at the prompt's per-token compute): every dense weight and the
+  LM head once, the routed experts the step's rows touch (1 - (1 - 8/256)^rows of them), each request's
+  K/V in the attention layers, its GDN states read once and written once per verified row (fp32), and
+  with MTP the drafter's K passes (one attention and one MoE layer and the LM head each).
+  ``decode_fixed_s`` (host, launch, sampling) is fitted so that one request after 1024 tokens takes
+  pcp=1's measured compiled inter-token latency (``COMPILED``, 40 layers); ``mtp_fixed_s`` (the rejection
+  sampler and the drafts' host work) = the measured step with MTP (K = 3) less without, less what the
+  roofline adds for them, fitted a + b B (``DECODE_MTP``: 8 layers, one H100). Decode at pcp=N is pcp=1's
+  (replicated) plus one gather of the sampled rows (and of the drafts). At tp=t every weight, GDN state and
+  K/V head (at most 2) divides over t, plus two all-reduces per layer.
+- **The MTP drafter's first pass over prompt rows**: a q + b (query, key) pairs through the measured
+  drafter at 32k and 128k (``MTP_DRAFTER``, pcp=1, eager), times ``compiled_scale``; over a split chunk's
+  rows each rank runs its own (``mtp_first_pass="split"``): 1/N of it.
+- **Layers**: with the first L layers of the model (``layers``), every per-layer term scales by L/40,
+  ``decode_fixed_s`` and the drafter do not. **GPUs**: the prefill fits are H200's (an H100 has the same
+  compute: taken as is); HBM bandwidth and memory are the card's (``GPUS``).
+
 It validates against the TTFT measured on 2 x H200 on 2026-11-29 that it was not fitted to (pcp=2 with
 state passing and sharded experts; tp=2) and prints each error. A chunked prefill with a token budget B
 runs ceil(T/B) steps; step i attends B queries to i*B + B keys.
@@ -76,6 +105,9 @@ SHARE_FIELDS = ("kinds_ms", "critical_ms", "critical_paired")
 TTFT_2X = RESULTS / "ttft_2xh200_2026-11-29" / "bench_ttft.json"
 DETOKENIZER = RESULTS / "output_rows_1xh200_2026-12-02" / "bench_detokenizer.json"
 SHORT_STEPS = RESULTS / "short_steps_1xh200_2026-12-02" / "bench_ttft.json"  # pcp=1, 256 to 32k tokens
+COMPILED = RESULTS / "chunk_budget_1xh200_2026-12-02" / "bench_ttft.json"  # pcp=1 compiled: chunks, ITL
+DECODE_MTP = RESULTS / "decode_spread_mtp_1xh100_2026-12-06"  # pcp1.json (K = 3), without_mtp/pcp1.json
+MTP_DRAFTER = RESULTS / "mtp_drafter_1xh200_2026-12-03"  # pcp1.json, pcp1_mtp.json: prefill with the drafter
 
 # NVLink 4 on H200 SXM: 900 GB/s per GPU, both directions together (NVIDIA H200 datasheet), so 450 GB/s
 # each way; NCCL reaches about 80% of it on large messages (assumed).
@@ -105,6 +137,8 @@ LAYERS, ATTN_LAYERS, GDN_LAYERS, MOE_LAYERS = 40, 10, 30, 40
 HIDDEN, KV_HEADS, HEAD_DIM = 2048, 2, 256
 GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_DIM, CONV_KERNEL = 16, 32, 128, 4
 BF16, FP32 = 2, 4
+ATTN_HEADS, VOCAB = 16, 248320
+EXPERTS, TOP_K, EXPERT_DIM, SHARED_EXPERT_DIM = 256, 8, 512, 512
 RELAY_SERIAL_SHARE = 0.19  # chunk_gated_delta_rule_fwd_kernel_h / all GDN kernels, pcp=1 (both lengths)
 
 LENGTHS = (32768, 131072, 1048576)
@@ -321,6 +355,219 @@ class StepModel:
             total += self.step(cfg, q, done, nodes)["total"]
             done += q
         return total
+
+
+class Gpu(NamedTuple):
+    name: str
+    memory_bytes: int  # the card's total, as nvidia-smi reports it
+    hbm_bytes_per_s: float  # peak HBM bandwidth (NVIDIA's datasheets)
+
+
+GPUS = {"h200": Gpu("H200", 143771 * 2**20, 4.8e12), "h100": Gpu("H100", 81559 * 2**20, 3.35e12)}
+HBM_EFFICIENCY = 0.8  # of peak, as bench_decode_spread prices K/V reads
+GRAPH_TOKENS = 512  # vLLM 0.20.2's largest CUDA graph by default: steps of up to this many tokens replay one
+ITL_CONTEXT = 1024 + 64  # bench_ttft's ITL: 128 tokens decoded after a 1024-token prompt (mean context)
+
+
+class Rows(NamedTuple):
+    """One request's rows in a step: ``new`` tokens after ``cached``; ``prompt``: a prompt chunk (or a
+    recompute after preemption), else one decode row (``drafts`` = 0) or 1 + ``drafts`` verification rows."""
+
+    new: int
+    cached: int
+    prompt: bool
+    drafts: int = 0
+
+
+def weight_bytes(tp: int = 1, layers: int = LAYERS) -> dict:
+    """bf16 bytes of Qwen3.6-35B-A3B's language-model weights on one GPU, by part, at tp (experts whole over
+    PCP, split over TP; MTP: its layer and fc, which share the LM head)."""
+    gdn = (HIDDEN * 2 * (GDN_K_HEADS + GDN_V_HEADS) * GDN_HEAD_DIM + HIDDEN * 2 * GDN_V_HEADS
+           + GDN_V_HEADS * GDN_HEAD_DIM * HIDDEN)  # in_proj_qkvz, in_proj_ba, out_proj
+    attn = HIDDEN * (2 * ATTN_HEADS + 2 * KV_HEADS) * HEAD_DIM + ATTN_HEADS * HEAD_DIM * HIDDEN  # q + gate, k, v, o
+    moe_dense = HIDDEN * EXPERTS + 3 * HIDDEN * SHARED_EXPERT_DIM + HIDDEN  # router, shared expert, its gate
+    experts = EXPERTS * 3 * HIDDEN * EXPERT_DIM
+    la = layers // (LAYERS // ATTN_LAYERS)
+    return {k: v * BF16 / tp for k, v in {
+        "dense": (layers - la) * gdn + la * attn + layers * moe_dense, "experts": layers * experts,
+        "lm_head": VOCAB * HIDDEN, "embedding": VOCAB * HIDDEN,
+        "mtp_dense": attn + moe_dense + 2 * HIDDEN * HIDDEN, "mtp_experts": experts}.items()}
+
+
+def kv_bytes_per_token(tp: int = 1) -> int:
+    """One attention layer's K and V per token on one GPU (2 KV heads; beyond tp = 2 vLLM replicates them)."""
+    return 2 * max(1, KV_HEADS // tp) * HEAD_DIM * BF16
+
+
+def gdn_state_bytes(tp: int = 1) -> int:
+    """One GDN layer's recurrent state (fp32, ``mamba_ssm_dtype``) and conv window of one request on one GPU."""
+    conv = (2 * GDN_K_HEADS + GDN_V_HEADS) * GDN_HEAD_DIM * (CONV_KERNEL - 1) * BF16
+    return (GDN_V_HEADS * GDN_HEAD_DIM * GDN_HEAD_DIM * FP32 + conv) // tp
+
+
+class ServingStepModel(StepModel):
+    """Steps of a running server (compiled): prompt chunks, decode and verification rows in any mix, at
+    any batch; ``batch_step(config, rows, mtp)`` in s. See the module's docstring."""
+
+    def __init__(self, gpu: str = "h200", layers: int = LAYERS):
+        super().__init__()
+        self.gpu, self.layers, self.scale = GPUS[gpu], layers, layers / LAYERS
+        compiled = load(COMPILED)["pcp1"]
+        design, measured = [], []
+        for key, seconds in compiled.items():
+            if not key[0].isdigit():
+                continue
+            tokens, _, budget = key.partition("@")
+            tokens, budget = int(tokens), int(budget or tokens)
+            steps = [(min(budget, tokens - done), done) for done in range(0, tokens, budget)]
+            design.append([sum(sum(self._kinds(q, c).values()) for q, c in steps), len(steps)])
+            measured.append(seconds - self.whole_prompt_detokenize_s(tokens))
+        self.compiled_scale, self.compiled_step_s = map(float, numpy_lstsq(design, measured)[0])
+        slopes = sum(self.kinds[k][0] for k in ("gdn", "moe", "gemm", "other"))
+        self.row_s = self.compiled_scale * slopes  # a row's compute at pcp=1, 40 layers (prompt efficiency)
+        # pcp=1's compiled ITL, one request after 1024 tokens (40 layers, H200): what the roofline leaves
+        self.decode_fixed_s = compiled["itl_ms"] / 1e3 - self._roofline(
+            1, 1, ITL_CONTEXT, 0, 0, 1, LAYERS, GPUS["h200"])
+        # MTP (K = 3): the measured step with MTP less without (8 layers, one H100), less the roofline's part
+        with_mtp, without = (load(DECODE_MTP / d / "pcp1.json") for d in (".", "without_mtp"))
+        k, layers8, h100 = with_mtp["drafts"], with_mtp["layers"], GPUS["h100"]
+        pts = []
+        for key in sorted(set(with_mtp) & set(without), key=str):
+            if "/" not in key:
+                continue
+            ctx, b = map(int, key.split("/"))
+            extra = (with_mtp[key]["turn_ms"][0] - without[key]["turn_ms"][0]) / 1e3
+            extra -= (self._roofline((1 + k) * b, b, b * ctx, k, k, 1, layers8, h100)
+                      - self._roofline(b, b, b * ctx, 0, 0, 1, layers8, h100))
+            pts.append((b, extra))
+        self.mtp_fixed = tuple(map(float, numpy_lstsq([[1, b] for b, _ in pts], [e for _, e in pts])[0]))
+        # the drafter's first pass over a prompt: a q + b pairs through the measured drafter (pcp=1, eager)
+        drafter = {}
+        no, mtp = (load(MTP_DRAFTER / f) for f in ("pcp1.json", "pcp1_mtp.json"))
+        for t in (32768, 131072):
+            drafter[t] = (lookup_ms(mtp, t) - lookup_ms(no, t)) / 1e3
+        (t1, y1), (t2, y2) = sorted(drafter.items())
+        b = (y2 / t2 - y1 / t1) / (t2 / 2 - t1 / 2)  # y = a q + b q^2 / 2 through both points
+        self.drafter = (y1 / t1 - b * t1 / 2, b)
+
+    def _kinds(self, q: int, cached: int, constants: bool = True) -> dict:
+        """pcp=1's eager GPU time by kind of q prompt rows after ``cached`` (40 layers)."""
+        out = {k: self.kind_s(k, q, q * cached + q * q / 2) if k == "attention" else self.kind_s(k, q)
+               for k in ("attention", "gdn", "moe", "gemm", "other")}
+        if not constants:
+            out = {k: v - self.kinds[k][2] for k, v in out.items()}
+        return out
+
+    def drafter_s(self, q: int, cached: int) -> float:
+        """The MTP drafter's first pass over q prompt rows after ``cached``, eager (one attention and one MoE
+        layer: independent of the target's layers)."""
+        a, b = self.drafter
+        return a * q + b * (q * cached + q * q / 2)
+
+    def mtp_fixed_s(self, requests: int) -> float:
+        a, b = self.mtp_fixed
+        return max(0.0, a + b * requests)
+
+    def _roofline(self, rows, reqs, context, drafts, mtp, tp, layers, gpu, bytes_only=False) -> float:
+        """max(HBM bytes / bandwidth, rows x compute) of a step of ``rows`` decode/verification rows of
+        ``reqs`` requests reading ``context`` K/V tokens in all, without the fixed part (``bytes_only``:
+        the first alone)."""
+        w = weight_bytes(tp, layers)
+        la = layers // (LAYERS // ATTN_LAYERS)
+
+        def touched(n):  # the share of experts n rows route to
+            return 1 - (1 - TOP_K / EXPERTS) ** n
+
+        nbytes = (w["dense"] + w["lm_head"] + w["experts"] * touched(rows) + la * context * kv_bytes_per_token(tp)
+                  + (layers - la) * reqs * gdn_state_bytes(tp) * (2 + drafts))
+        for p in range(mtp):  # the drafter's passes: first over every row, then one row per request
+            n = rows if p == 0 else reqs
+            nbytes += (w["mtp_dense"] + w["lm_head"] + w["mtp_experts"] * touched(n)
+                       + context * kv_bytes_per_token(tp))
+        memory = nbytes / (HBM_EFFICIENCY * gpu.hbm_bytes_per_s)
+        return memory if bytes_only else max(memory, rows * self.row_s * layers / LAYERS / tp)
+
+    def _tp_s(self, tp: int, rows: int) -> float:
+        """TP's two all-reduces per layer over ``rows`` rows of each rank."""
+        if tp == 1:
+            return 0.0
+        latency = RING_BASE_LATENCY_S + 2 * (tp - 1) * NVLINK_STEP_LATENCY_S
+        return 2 * self.layers * (latency + 2 * (tp - 1) / tp * rows * HIDDEN * BF16 / NVLINK_BYTES_PER_S)
+
+    def decode_s(self, cfg: Config, rows: int, reqs: int, context: int, drafts: int = 0, mtp: int = 0,
+                 bytes_only: bool = False) -> float:
+        """A step of decode (``drafts`` = 0) or verification rows alone, replicated at pcp > 1 (``bytes_only``:
+        its HBM reads without the rows' compute, the floor of any step)."""
+        t = self.decode_fixed_s + self._roofline(rows, reqs, context, drafts, mtp, cfg.tp, self.layers, self.gpu,
+                                                 bytes_only)
+        t += self._tp_s(cfg.tp, rows) + (self.mtp_fixed_s(reqs) if mtp else 0.0)
+        if cfg.pcp > 1:  # rank 0's sampled rows gathered (and its drafts broadcast)
+            t += (1 + (mtp > 0)) * collective_latency_s(cfg.pcp) + reqs * HIDDEN * BF16 / NVLINK_BYTES_PER_S
+        return t
+
+    def batch_step(self, cfg: Config, rows: list[Rows], mtp: int = 0) -> dict:
+        """Seconds of one step of ``rows`` (one entry per scheduled request) with the MTP drafter's ``mtp``
+        passes: ``total``, ``split`` (a prompt chunk split over the PCP ranks) and the parts."""
+        assert cfg.experts != "sharded", "the serving model prices whole experts (the default)"
+        n, tp, mode = cfg.pcp, cfg.tp, cfg.gdn
+        reqs, tokens = len(rows), sum(r.new for r in rows)
+        decoding = [r for r in rows if not r.prompt]
+        drafts = max((r.drafts for r in decoding), default=0)
+        context = sum(r.cached for r in rows)
+        prompts = [r for r in rows if r.prompt]
+        if not prompts:
+            total = self.decode_s(cfg, tokens, reqs, context, drafts, mtp)
+            return {"total": total, "split": False, "memory": total}
+        memory = self.decode_s(cfg, tokens, reqs, context, drafts, mtp, bytes_only=True)  # at least its reads
+        split = [r for r in prompts if n > 1 and splits(r.new, n)]
+        whole = [r for r in prompts if not (n > 1 and splits(r.new, n))]
+        gpu = dict.fromkeys(("attention", "gdn", "moe", "gemm", "other"), 0.0)
+        comm, drafter, first = 0.0, 0.0, True
+        for r in split:  # as ``step`` splits one: each kind's critical share, the imbalance, the collectives
+            f = self.factors(mode, r.new)
+            for k, v in self._kinds(r.new, r.cached, constants=first).items():
+                gpu[k] += v * self._critical_share(k, f, mode, n) * f["imbalance"]
+            first = False
+            comm += sum(c * ((P2P_LATENCY_S if ranks == 0 else collective_latency_s(ranks))
+                             + nbytes / NVLINK_BYTES_PER_S)
+                        for name, c, nbytes, ranks in self.collectives(cfg, r.new, r.cached, True)
+                        if name != "tp all-reduce")
+            drafter += self.drafter_s(r.new, r.cached) / n
+        for r in whole:  # replicated: pcp=1's rows on every rank
+            for k, v in self._kinds(r.new, r.cached, constants=first).items():
+                gpu[k] += v
+            first = False
+            drafter += self.drafter_s(r.new, r.cached)
+        dec_rows = sum(r.new for r in decoding)
+        for k in ("gdn", "moe", "gemm", "other"):  # decode/verification rows: replicated, their compute
+            gpu[k] += self.kinds[k][0] * dec_rows
+        gpu = {k: v * self.scale / (1 if k == "other" else tp) for k, v in gpu.items()}
+        per_rank = sum(r.new for r in split) / n + sum(r.new for r in whole) + dec_rows
+        dec_ctx = sum(r.cached for r in decoding)
+        la = self.layers // (LAYERS // ATTN_LAYERS)
+        dec_bytes = (la * dec_ctx * kv_bytes_per_token(tp)  # their K/V and GDN states from HBM
+                     + (self.layers - la) * len(decoding) * gdn_state_bytes(tp) * (2 + drafts))
+        extra = dec_bytes / (HBM_EFFICIENCY * self.gpu.hbm_bytes_per_s) + self._tp_s(tp, per_rank)
+        if mtp:
+            extra += self.drafter_s(dec_rows, dec_ctx // max(1, len(decoding))) + self.mtp_fixed_s(len(decoding))
+        if n > 1 and not split:
+            extra += collective_latency_s(n) + reqs * HIDDEN * BF16 / NVLINK_BYTES_PER_S
+        compute = self.compiled_scale * (sum(gpu.values()) + drafter * (mtp > 0)) + comm + extra
+        if tokens > GRAPH_TOKENS:  # no CUDA graph: the compiled step's own per-step time
+            compute += self.compiled_step_s * self.scale
+        return {"total": max(memory, compute), "split": bool(split), "memory": memory, "compute": compute,
+                "communication": comm, **gpu}
+
+
+def numpy_lstsq(design, values):
+    import numpy as np
+
+    return np.linalg.lstsq(np.asarray(design, dtype=float), np.asarray(values, dtype=float), rcond=None)
+
+
+def lookup_ms(data: dict, tokens: int) -> float:
+    """A prefill step's ms at ``tokens`` from a bench_mtp result (the slowest rank's turn)."""
+    return max(data[f"prefill/{tokens}"]["turn_ms"])
 
 
 def validate(model: StepModel) -> float:
