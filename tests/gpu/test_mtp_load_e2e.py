@@ -42,13 +42,12 @@ CHAT_LENGTHS = [40 + (i * 577) % 1900 for i in range(CHATS)]
 LONG, TURNS_LONG = (24576,) * 4, (8192, 65536)
 ABORT = (3, 9)
 # engine -> (kind, K, tp, pcp, options); kind: the load it runs
-# (the order the engine pool starts them in: the largest first, so that they pack the shared GPU)
+# (the order the engine pool starts them in: pcp=1 and the pcp=2 comparisons first)
 ENGINES = {
-    "load_mtp3_pcp8": ("load", 3, 1, 8, {}), "load_mtp3_pcp4": ("load", 3, 1, 4, {}),
     "load_mtp3_pcp1": ("load", 3, 1, 1, {}), "load_mtp3_pcp2": ("load", 3, 1, 2, {}),
-    "load_mtp3_pcp2_spread": ("load", 3, 1, 2, {"decode": "spread"}),
-    "load_mtp3_tp2_pcp2": ("load", 3, 2, 2, {}), "load_mtp3_tp2": ("load", 3, 2, 1, {}),
-    "load_nomtp_pcp2": ("load", 0, 1, 2, {}),
+    "load_mtp3_pcp2_spread": ("load", 3, 1, 2, {"decode": "spread"}), "load_nomtp_pcp2": ("load", 0, 1, 2, {}),
+    "load_mtp3_pcp4": ("load", 3, 1, 4, {}), "load_mtp3_pcp8": ("load", 3, 1, 8, {}),
+    "load_mtp3_tp2": ("load", 3, 2, 1, {}), "load_mtp3_tp2_pcp2": ("load", 3, 2, 2, {}),
     "compiled_mtp3_pcp1": ("compiled", 3, 1, 1, {}), "compiled_mtp3_pcp2": ("compiled", 3, 1, 2, {}),
     "compiled_nomtp_pcp2": ("compiled", 0, 1, 2, {}),
     "turns_mtp3_pcp1": ("turns", 3, 1, 1, {}), "turns_mtp3_pcp2": ("turns", 3, 1, 2, {}),
