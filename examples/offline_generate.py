@@ -26,7 +26,7 @@ def main():
                         help='further LLM(...) arguments as JSON, e.g. \'{"enforce_eager": true}\'')
     args = parser.parse_args()
 
-    from qwen36_pcp.checks import refusal_here
+    from qwen36_pcp.early_refusals import refusal_here
 
     kw = args.llm_kwargs
     refusal = refusal_here(args.pcp, kw.get("tensor_parallel_size", 1), kw.get("additional_config"),

@@ -24,6 +24,6 @@ ARGS=("$MODEL"
   "$@")
 # what the plugin refuses before an engine exists (no GPU, too few, a bad option) ends here in one line
 # and exit code 1, before vLLM's start prints its own lines around the same message
-python -c 'import sys; from qwen36_pcp.checks import command_line_refusal as r; e = r(sys.argv[1:]); sys.exit(e and str(e))' \
+python -c 'import sys; from qwen36_pcp.early_refusals import command_line_refusal as r; e = r(sys.argv[1:]); sys.exit(e and str(e))' \
   serve "${ARGS[@]}"
 exec vllm serve "${ARGS[@]}"

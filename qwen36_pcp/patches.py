@@ -39,7 +39,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from . import checks, deterministic_gdn, refusal
+from . import checks, deterministic_gdn, early_refusals, refusal
 from .config import ARCHITECTURES, uses_pcp
 from .prompt_tail import prompt_tail
 
@@ -150,8 +150,8 @@ def serves_pcp() -> bool:
 
 def _create_engine_config(orig):
     def create_engine_config(self, *args, **kwargs):
-        if checks.names_our_architecture(self.model, self.hf_overrides):
-            error = checks.before_config_error(self)
+        if early_refusals.names_our_architecture(self.model, self.hf_overrides):
+            error = early_refusals.before_config_error(self)
             if error is not None:
                 raise error
         try:
@@ -173,7 +173,7 @@ def _add_cli_args(orig):
         try:
             return orig(parser, *args, **kwargs)
         except RuntimeError as e:
-            error = checks.cli_before_config_error(sys.argv[1:], checks.device_type())
+            error = early_refusals.cli_before_config_error(sys.argv[1:], early_refusals.device_type())
             if error is None or "device type" not in str(e):  # vLLM's "Failed to infer device type"
                 raise
             raise error from e

@@ -1,5 +1,5 @@
 """Startup messages where vLLM itself would say something cryptic, for our model at pcp > 1
-(``checks.before_config_error``, raised from ``patches``' wrapper of ``EngineArgs.create_engine_config``).
+(``early_refusals.before_config_error``, raised from ``patches``' wrapper of ``EngineArgs.create_engine_config``).
 
 No NVIDIA GPU: vLLM 0.20.2 fails before any config exists, ``LLM(...)`` with "Device string must not be
 empty", ``vllm serve`` with "Failed to infer device type" while building its parser. The end-to-end
@@ -98,7 +98,7 @@ def test_no_gpu_one_message_with_the_numbers(tiny_config_only):
 
 
 def test_command_line_is_read_with_vllms_rules(tmp_path, tiny_config_only):
-    from qwen36_pcp.checks import cli_no_gpu_message, no_gpu_message
+    from qwen36_pcp.early_refusals import cli_no_gpu_message, no_gpu_message
 
     def msg(*args, device_type=""):
         return cli_no_gpu_message(["serve", *args], device_type)
@@ -186,7 +186,7 @@ def test_pcp_across_nodes_one_message_with_the_numbers(tiny_config_only, fake_cu
 
 
 def test_nnodes_message_numbers():
-    from qwen36_pcp.checks import nnodes_message
+    from qwen36_pcp.early_refusals import nnodes_message
 
     msg = nnodes_message(1, 1, 1, 2, 2)
     assert "keep TP inside a node" in msg and "-tp 2 -pcp 2 --nnodes 2 (each node then runs 2 ranks" in msg
@@ -205,7 +205,7 @@ def test_option_warnings_name_the_key_and_the_value_in_effect():
     the value in effect, a bad option is the error; vLLM's own keys and good options say nothing."""
     import logging
 
-    from qwen36_pcp.checks import logger, options_message
+    from qwen36_pcp.early_refusals import logger, options_message
 
     class Records(logging.Handler):  # vLLM's loggers do not propagate to pytest's capture
         def __init__(self):
