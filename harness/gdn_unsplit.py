@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from qwen36_pcp.layers.context import Varlen
+from qwen36_pcp.layers.device_copy import Varlen
 from qwen36_pcp.layers.gdn_cp import GDNWeights
 
 

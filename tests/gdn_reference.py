@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen36_pcp.config import GDN_CHUNK
-from qwen36_pcp.layers.context import Varlen
+from qwen36_pcp.layers.device_copy import Varlen
 from qwen36_pcp.layers.gdn_cp import GDNWeights
 
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from qwen36_pcp.layers.context import PCPContext, Varlen
+from qwen36_pcp.layers.context import PCPContext
+from qwen36_pcp.layers.device_copy import Varlen
 from qwen36_pcp.layers.gdn_cp import conv_with_halo
 from qwen36_pcp.plan import PCPConfig, PCPPlan
 

@@ -5,7 +5,7 @@ alignment, which fresh device allocations have)."""
 import numpy as np
 import torch
 
-from qwen36_pcp.layers.context import Varlen, to_device_all
+from qwen36_pcp.layers.device_copy import Varlen, to_device_all
 
 
 def test_arrays_of_mixed_dtypes_and_shapes_in_one_buffer():

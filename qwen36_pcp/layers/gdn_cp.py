@@ -45,7 +45,8 @@ from vllm.model_executor.layers.fla.ops.wy_fast import recompute_w_u_fwd
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
 from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
 
-from .context import PCPContext, Varlen, to_device_all
+from .context import PCPContext
+from .device_copy import Varlen, to_device_all
 
 
 @dataclass

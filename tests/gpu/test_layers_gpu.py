@@ -78,7 +78,7 @@ def test_indices_reach_the_gpu_from_pinned_memory_without_the_host_waiting():
     blocks of that size are taken and overwritten before the copy runs."""
     import numpy as np
 
-    from qwen36_pcp.layers.context import to_device_all
+    from qwen36_pcp.layers.device_copy import to_device_all
 
     arrays = [np.arange(1000) + 7 * i for i in range(3)] + [(np.arange(5) % 2 == 0, torch.bool)]
     torch.cuda.synchronize()
