@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The rank servers the CPU tests of tests/ and benchmarks/ share.
 
 A process that imports vLLM spends ~13 CPU seconds on it. Two servers pay that once for the whole run,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Decode step per rank: every rank decoding every request (``decode="replicated"``) against each rank
 decoding its own share (``decode="spread"``: its own requests as vLLM's batch, through vLLM's CUDA graph
 of that batch).
@@ -13,7 +14,8 @@ Configs: ``pcp1`` (the step every rank of a replicated decode runs at any pcp: t
 ``pcp2_spread``, ``pcp4_spread``, and the control ``pcp2_replicated`` / ``pcp4_replicated``: pcp=1's
 step on every rank plus one gather of the sampled rows, whose turns against pcp=1's show what taking
 turns adds to a step of more than one rank (``control_lines``). Each point: B requests of L context
-tokens decoding together, the median over 24 steps after 4 warm-up steps of each rank's turn time per step (measured). A spread rank's
+tokens decoding together, the median over 24 steps after 4 warm-up steps of each rank's turn time per step
+(measured). A spread rank's
 turn holds its collective's copies through host memory, which NCCL between GPUs does not make; the
 shared GPU's communicator times them (``turn_counters``: the GPU drained first, the wait for the
 other ranks left out). A spread rank's step on a GPU of its own: its turn time less those copies, plus
@@ -144,7 +146,8 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
     # bench_ttft's pcp1 engine, made this config's by engine_args (its pcp size, the shared GPU)
     llm = bench_ttft.engine(model, "pcp1", longest, compiled=True, max_num_batched_tokens=32768,
                             max_num_seqs=max(max(b) for b in sweep.values()),
-                            max_model_len=longest + 2048, enable_prefix_caching=shared_prefix, **engine_args(config, drafts),
+                            max_model_len=longest + 2048, enable_prefix_caching=shared_prefix,
+                            **engine_args(config, drafts),
                             **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
     out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": layers, "drafts": drafts,
@@ -684,9 +687,7 @@ def report(out: str) -> dict:
 
 def child(config: str, model: str, out: str, sweep: dict, profile: bool = False, shared_prefix: bool = False,
           layers: int = DEFAULT_LAYERS, drafts: int = 0) -> None:
-    from harness.shared_gpu import STEPS_ENV
-
-    from harness.shared_gpu import read_step_kinds
+    from harness.shared_gpu import STEPS_ENV, read_step_kinds
 
     steps = Path(out) / f"{config}.steps"
     for old in steps.parent.glob(steps.name + ".*"):

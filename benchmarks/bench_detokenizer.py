@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The first output token's detokenization on the front end, vLLM's priming against the prompt tail's.
 
     python benchmarks/bench_detokenizer.py --out DIR     # CPU; prints a table, writes JSON + PNG
@@ -53,10 +54,9 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
-
-    from benchmarks.bench_ttft import checkpoint, prompt
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
+    from benchmarks.bench_ttft import checkpoint, prompt
     from qwen36_pcp import patches
 
     next(p for p in patches.PATCHES if p.owner is FastIncrementalDetokenizer).install()

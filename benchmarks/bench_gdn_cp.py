@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """GDN layer time per rank: relay vs state passing vs island vs one GPU, Qwen3.6-35B-A3B GDN shape, 2 GPUs.
 
     python benchmarks/bench_gdn_cp.py --out /tmp/bench_gdn_cp   # needs 2 GPUs; prints a table, writes JSON + PNG

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """MTP per rank: the drafter's share of one long prompt's split step, and a decode step with and
 without MTP.
 
@@ -365,7 +366,8 @@ def profile_report(out: str) -> tuple[list[str], list[dict]]:
         if not lines:
             lines += ["", f"profiled (GPU kernels per rank, host copies left out; {data['mode']}): step = the "
                       "ranks' critical path, drafter = its kernel time on the rank where it is longest; share at "
-                      f"{FULL_LAYERS} layers predicted: drafter / (drafter + (step - drafter) x {FULL_LAYERS // LAYERS})",
+                      f"{FULL_LAYERS} layers predicted: drafter / (drafter + (step - drafter) x "
+                      f"{FULL_LAYERS // LAYERS})",
                       f"{'config':>9} {'tokens':>7} {'first pass':>10} {'step':>8} {'drafter':>8} "
                       f"{'share':>6} {'share (40, predicted)':>22}"]
         for label in data["labels"]:
@@ -378,7 +380,8 @@ def profile_report(out: str) -> tuple[list[str], list[dict]]:
             full = drafter / (drafter + (step - drafter) * FULL_LAYERS / LAYERS)
             rows.append({"config": data["config"], "ranks": CONFIGS[data["config"]][0], "tokens": int(n),
                          "first_pass": mode, "step_ms": step, "drafter_ms": drafter})
-            lines.append(f"{data['config']:>9} {n:>7} {mode:>10} {step:8.1f} {drafter:8.1f} {100 * drafter / step:5.1f}% "
+            lines.append(f"{data['config']:>9} {n:>7} {mode:>10} {step:8.1f} {drafter:8.1f} "
+                         f"{100 * drafter / step:5.1f}% "
                          f"{100 * full:21.1f}%")
     whole = [r for r in rows if r["first_pass"] == "whole"]
     if whole:
@@ -429,7 +432,8 @@ def main():
     if not args.report_only:
         model = bench_ttft.checkpoint(args.out, layers=LAYERS)
         for config in args.configs:
-            argv = [__file__, "--out", args.out, "--tokens", *map(str, args.tokens), *(["--profile"] if args.profile else []),
+            argv = [__file__, "--out", args.out, "--tokens", *map(str, args.tokens),
+                    *(["--profile"] if args.profile else []),
                     "--mixed", str(args.mixed),
                     *(["--compiled"] if args.compiled else []), "--child", config, model]
             bench_ttft.run_child(argv, str(Path(args.out) / f"{config}.log"), "race_free", in_process=True,

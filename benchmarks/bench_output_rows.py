@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The rows a PCP rank hands back to vLLM after the model: a split step's final gather and a decode
 step's sample-row gather, per rank on one GPU.
 
@@ -31,10 +32,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the repo: benchmarks/
 from benchmarks.plot import log2_axes, save_figure  # noqa: E402
-from benchmarks.timing import cuda_median_ms  # noqa: E402
 from benchmarks.predict_ttft import (  # noqa: E402
-    COLLECTIVE_LATENCY_S, CONFIGS, HIDDEN, NVLINK_BYTES_PER_S, RESULTS, StepModel, load,
+    COLLECTIVE_LATENCY_S,
+    CONFIGS,
+    HIDDEN,
+    NVLINK_BYTES_PER_S,
+    RESULTS,
+    StepModel,
+    load,
 )
+from benchmarks.timing import cuda_median_ms  # noqa: E402
 
 TOKENS = (32768, 131072, 1048576)
 WORLD_SIZES = (2, 4, 8)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Time to first token vs prompt length, and decode ITL: pcp=1, tp=2, pcp=2 (defaults: GDN relay,
 whole experts), pcp=2 with GDN state passing, with vLLM's expert sharding (``moe_experts="sharded"``),
 and with GDN island.

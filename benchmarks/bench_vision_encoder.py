@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The vision encoder's share of time to first token for long videos: on every rank, or split.
 
     python benchmarks/bench_vision_encoder.py --out DIR            # on a GPU: measure, then summarize
@@ -38,7 +39,6 @@ def vision_tower(ckpt: str):
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
-
     from vllm.utils.network_utils import get_open_port
 
     cfg = EngineArgs(model=ckpt, load_format="dummy", max_model_len=131072,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where a step's host time goes, per rank and phase: the runner's own steps (vLLM's and the plugin's)
 timed on the host, with no profiler in the way.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One place for the benchmarks' PNG output (matplotlib is optional)."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Time to first token at pcp=N on H200s, predicted from one-GPU profiles and the plan's collectives.
 
     python benchmarks/predict_ttft.py                     # tables, a PNG, and the validation error

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where the host's time of a prefill goes: vLLM's whole request path in one process under cProfile.
 
     python benchmarks/profile_host.py --out DIR [--tokens 32768 131072] [--layers 4] [--config pcp2]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where one long prefill's GPU time goes, rank by rank: why TTFT at pcp=N is not N times shorter.
 
 Same engines as bench_ttft.py (Qwen3.6-35B-A3B shape, dummy weights, eager or ``--compiled``, the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tensor calls the runner's own code makes in a spread decode step, by function (CPU, no GPU).
 
 A spread decode step's extra over pcp=1's step is host work (``docs/performance.md``), and a large

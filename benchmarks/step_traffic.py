@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The collectives of one split step, from its plan: what each rank's ``PCPContext`` issues.
 
 Per rank and layer kind, the list of ``(kind, bytes, peer)`` the layer code calls through

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The decode spread benchmark's step-time model: the fit recovers a known step time (one outlier left
 out), the graph sizes are vLLM's default capture sizes, and the report reads any set of configs."""
 

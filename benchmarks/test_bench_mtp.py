@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The MTP benchmark's reading of a profile: runs split at the workers' marks, the drafter's kernels
 told by where they were launched, host copies left out; and its report of both kinds of result."""
 

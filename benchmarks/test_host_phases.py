@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The host-phase timers of the decode benchmark: on the runner's real spread step (the CPU stand-in of
 ``tests/test_runner.py`` on 2 gloo ranks) every phase is timed once per step under the label of the
 class that defines it, a phase holds the phases it calls, and a garbage collection is timed by its
@@ -21,8 +22,8 @@ def _timed_spread_steps(rank, group, steps_log):
 
     from benchmarks import host_phases
     from benchmarks.spread_host_ops import spread_decode_step
-    from harness.shared_gpu import STEPS_ENV, record_step_kinds
     from harness import runner_stand_in as stand_in
+    from harness.shared_gpu import STEPS_ENV, record_step_kinds
 
     runner = stand_in.spread_runner(group, rank, [], {})
     stand_in.cuda_graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
@@ -33,7 +34,8 @@ def _timed_spread_steps(rank, group, steps_log):
     for step in range(STEPS):
         spread_decode_step(runner, 8, step)
     gc.collect(1)  # a collection during the timing: timed by its generation
-    return host_phases.host_phases(), dict(Counter(line.split()[0] for line in Path(f"{steps_log}.{rank}").read_text().splitlines()))
+    lines = Path(f"{steps_log}.{rank}").read_text().splitlines()
+    return host_phases.host_phases(), dict(Counter(line.split()[0] for line in lines))
 
 
 def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases_it_calls(tmp_path):
@@ -50,8 +52,8 @@ def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases
         assert all(v > 0 for v in ms.values()), ms
         # inclusive: the plugin's input preparation holds vLLM's, the plan and the heads; its owned
         # forward holds the model call, the K/V sent from the stage and the gather
-        assert ms["PCPModelRunner._prepare_inputs"] >= (ms["GPUModelRunner._prepare_inputs"] + ms["PCPModelRunner._plan"]
-                                                        + ms["OwnedBatch.write_heads"])
-        assert ms["PCPModelRunner._owned_forward"] >= (ms["GPUModelRunner._model_forward"] + ms["runner.defer_staged_kv"]
-                                                       + ms["PCPContext.gather_output"])
+        assert ms["PCPModelRunner._prepare_inputs"] >= (
+            ms["GPUModelRunner._prepare_inputs"] + ms["PCPModelRunner._plan"] + ms["OwnedBatch.write_heads"])
+        assert ms["PCPModelRunner._owned_forward"] >= (
+            ms["GPUModelRunner._model_forward"] + ms["runner.defer_staged_kv"] + ms["PCPContext.gather_output"])
         assert ms["PCPModelRunner._model_forward"] >= ms["PCPModelRunner._owned_forward"]

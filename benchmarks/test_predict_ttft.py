@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The step-time model runs on CPU from the committed profiles (benchmarks/predict_ttft.py)."""
 
 import importlib.util

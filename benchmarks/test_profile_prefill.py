@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """benchmarks/profile_prefill.py's trace summary: kernel kinds, busy time over overlapping streams."""
 
 import gzip

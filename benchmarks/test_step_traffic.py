@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The step-time model's accounting of a split step's collectives (``step_traffic``) against what the
 layers issue through ``PCPContext`` on real gloo ranks (pcp 2, 4, 8; attention, the GDN modes, the
 output gather): call for call, bytes and peers, so the model cannot drift from the code."""
@@ -104,11 +105,11 @@ def _issued(rank, group, mode, layout, owner=None):
 def _spread_decode_step(rank, group, layers=3):
     """A spread decode step's calls (``layers`` attention layers' K/V from their stage, then the output
     gather) as this rank's context recorded them, with the model's."""
+    from harness.runner_stand_in import exchange_slots, pcp_attention_layers
     from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.layers.context import PCPContext
     from qwen36_pcp.owned_batch import KVStage, defer_staged_kv
     from qwen36_pcp.plan import PCPPlan
-    from harness.runner_stand_in import exchange_slots, pcp_attention_layers
 
     s, reqs = SHAPE, 5
     plan = PCPPlan([40, 9, 3, 70, 12], [1] * reqs, group.world_size, rank, PCPConfig(decode="spread"),

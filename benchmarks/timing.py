@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """GPU time of a call, as the benchmarks take it."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ask the server started by examples/serve.sh (OpenAI-compatible API, standard library only).
 
     python examples/client.py [--port 8000] [--wait 600]

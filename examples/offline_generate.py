@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Offline generation with prefill context parallel: a long prompt split over N GPUs.
 
     python examples/offline_generate.py --pcp 2                  # a tiny random checkpoint, made here

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Run a function on N processes as a PCP group (layer tests and benchmarks).
 
 CPU (gloo): the group is vLLM's own GroupCoordinator, exactly the class ``get_pcp_group()`` returns.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The plain (unsplit) GDN core of a batch with any kernels of ``VllmGDNKernels``' contract: vLLM's on
 a GPU, the tests' fp32 reference on the CPU. What every split mode is compared with, and a benchmark's
 one-GPU baseline."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Random inputs with Qwen3.6-35B-A3B layer shapes, shared by GPU layer tests and benchmarks."""
 
 from __future__ import annotations

@@ -136,8 +136,10 @@ def spread_runner(group, rank, seen, calls, cache_blocks: int = 16):
         self.query_start_loc.copy_to_gpu()
         self.seq_lens[:reqs], self.seq_lens[reqs:] = torch.from_numpy(computed + num_new), 0
         self.optimistic_seq_lens_cpu.copy_(self.seq_lens)
-        self.input_ids.gpu[:tokens] = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
-        self.positions[:tokens] = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(computed, num_new)]))
+        ids = [np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]
+        self.input_ids.gpu[:tokens] = torch.from_numpy(np.concatenate(ids))
+        positions = [c + np.arange(n) for c, n in zip(computed, num_new)]
+        self.positions[:tokens] = torch.from_numpy(np.concatenate(positions))
         for g, table in enumerate(self.input_batch.block_table.block_tables):
             for i in range(reqs):  # request i holds 1 + i % 4 blocks, 10 i + 100 g onwards
                 table.add_row(list(range(10 * i + 100 * g, 10 * i + 100 * g + 1 + i % 4)), i)

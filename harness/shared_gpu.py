@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every rank of an engine on GPU 0: pcp=2 engines on a 1-GPU machine (check runs and profiles).
 
 NCCL refuses two ranks on one device ("Duplicate GPU detected", NCCL 2.28.9 on H200). An engine

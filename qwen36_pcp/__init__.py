@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefill Context Parallel for Qwen3.6-style hybrid models on vLLM 0.20.2 (a vLLM general plugin)."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``python -m qwen36_pcp SUBCOMMAND``: the plugin's command line (vLLM loads the plugin by itself;
 this is for the user around it).
 

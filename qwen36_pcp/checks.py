@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Startup checks: what PCP for Qwen3.6 does not support is rejected when the engine's config is built,
 with one message that names every problem (``validate_pcp_config``, run from our model's config check,
 ``patches._config_check_class``); what cannot wait for a config (bad options, no GPU, nodes) is
@@ -23,8 +24,8 @@ from .config import (
     pcp_config_of,
     uses_pcp,
 )
-from .expert_memory import checkpoint_quant_config, online_schemes, whole_experts_problems
 from .early_refusals import few_gpus_problem, option_error, visible_gpu_count
+from .expert_memory import checkpoint_quant_config, online_schemes, whole_experts_problems
 from .refusal import ConfigRefusal
 
 logger = logging.getLogger("vllm.qwen36_pcp")  # under vLLM's logger, so that it shows in the engine's log

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The plugin's options and the one question every hook asks first: is this our model at pcp > 1?
 
 A leaf module (it imports nothing of the package), so the model, the plan and the runner hooks can

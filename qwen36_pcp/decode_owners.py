@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which PCP rank computes each decoding request (``decode="spread"``).
 
 A request is given an owner at its first decode row and keeps it until it finishes: only the owner
@@ -77,7 +78,8 @@ class DecodeOwners:
         owner = np.array([self.owner.get(r, -1) for r in req_ids], dtype=np.int64)
         ends = np.maximum(np.asarray(num_prompt, dtype=np.int64),
                           np.array([self.prefill_end.get(r, 0) for r in req_ids], dtype=np.int64))
-        decoding = (num_new == 1 if decode_rows is None else np.asarray(decode_rows, dtype=bool)) & (num_computed >= ends)
+        decode_row = num_new == 1 if decode_rows is None else np.asarray(decode_rows, dtype=bool)
+        decoding = decode_row & (num_computed >= ends)
         handover = np.where(decoding, -1, owner)
         for i in np.flatnonzero(handover >= 0):  # owned, but every rank computes it now
             del self.owner[req_ids[i]]

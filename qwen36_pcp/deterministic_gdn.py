@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One answer from vLLM's GDN prefill kernels, whatever their autotuners pick: keep three of them to
 configs that give one output.
 
@@ -37,8 +38,8 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 DETERMINISTIC_GDN_ENV = "QWEN36_PCP_DETERMINISTIC_GDN"
 ORIGINAL_CONFIGS = "__qwen36_pcp_original_configs__"

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``python -m qwen36_pcp doctor``: check a PCP setup before starting an engine.
 
 An engine start takes minutes (weights, compilation) and a wrong setup shows itself only at its end,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The MTP drafter's first pass at a split step, split with the target's plan.
 
 vLLM's drafter (``EagleProposer.propose``) runs its first pass over every row of the step: each prompt

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every MoE expert whole on every PCP rank (``moe_experts="replicated"``): how many bytes that is per
 GPU, in the form vLLM 0.20.2 stores the experts (bf16, online or checkpoint FP8), and the startup
 check that they fit. ``doctor`` answers the same question from a checkpoint's config.json alone.

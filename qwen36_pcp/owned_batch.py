@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A spread decode step run as vLLM's own decode of the requests this rank owns.
 
 At a step of decode rows alone (``decode="spread"``, every row owned) each rank runs vLLM's decode
@@ -103,7 +104,8 @@ class OwnedBatch:
         these buffers before anything reads it (query starts and sequence lengths whole, block-table
         rows up to its batch's size: rows past it are stale in vLLM too, the slot mapping whole), and
         after the forward only pooling (refused with ``decode="spread"``) and the drafter read them
-        (prompt logprobs read the host's query starts, which stay the whole batch's). Slots are read by attention layers alone (vLLM 0.20.2's GDN metadata takes
+        (prompt logprobs read the host's query starts, which stay the whole batch's). Slots are read by attention
+        layers alone (vLLM 0.20.2's GDN metadata takes
         block-table rows, not slots), so only ``attention_groups``' slot heads are written; the one
         whole-batch value read after the forward, those groups' slots where ``defer_staged_kv`` writes
         the step's new K/V, is taken first (``exchange_slots``). A step's sequence lengths are the

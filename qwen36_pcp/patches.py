@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What of vLLM 0.20.2 the plugin must replace in place, because no extension point reaches it.
 
 The runner, the worker and the layers are subclasses selected through vLLM's own extension points
@@ -28,8 +29,8 @@ import copy
 import inspect
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import msgspec
 import vllm.v1.engine.core as engine_core

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The per-step Prefill Context Parallel plan.
 
 Built on the host from what every PCP rank already knows (per request: tokens already in the cache and

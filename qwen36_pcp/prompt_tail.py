@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Detokenize a request's first output token from the end of its prompt, not the whole prompt.
 
 vLLM 0.20.2's ``FastIncrementalDetokenizer`` primes tokenizers' ``DecodeStream`` with every prompt id,

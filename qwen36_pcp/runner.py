@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The model runner at pcp > 1: vLLM's V1 ``GPUModelRunner`` with split steps and a replicated KV cache.
 
 Each step: ``_prepare_inputs`` (vLLM's, on the whole batch, the same on every rank) ends with the
@@ -42,8 +43,12 @@ from .layers.pcp_attention import PCPFlashAttentionImpl
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .owned_batch import KVStage, OwnedBatch, defer_staged_kv
 from .plan import PCPPlan, spread_decode_step
-from .state_blocks import (MAX_PAYLOAD_BYTES, hand_over_request_states, largest_payload_bytes,
-                           share_completed_state_blocks)
+from .state_blocks import (
+    MAX_PAYLOAD_BYTES,
+    hand_over_request_states,
+    largest_payload_bytes,
+    share_completed_state_blocks,
+)
 
 
 @contextlib.contextmanager

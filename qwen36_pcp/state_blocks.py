@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A decoding request's GDN states in the prefix cache under ``decode="spread"``.
 
 With prefix caching, vLLM 0.20.2 keeps a hybrid model's GDN states block by block

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The worker at pcp > 1: vLLM's GPU ``Worker`` with the PCP model runner.
 
 vLLM builds its worker from ``parallel_config.worker_cls`` in every process it starts (multiprocessing

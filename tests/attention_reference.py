@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """torch references of split attention (CPU tests): vLLM's cache write and an end-aligned causal paged
 attention in fp32."""
 
@@ -6,10 +7,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from harness.runner_stand_in import write_kv_reference
 from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.layers.split_attention import gather_kv_for_cache, vseq_block_table
-
-from harness.runner_stand_in import write_kv_reference
 
 
 def paged_causal_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,

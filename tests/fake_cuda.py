@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Build vLLM configs and models on a machine without a GPU (tests only).
 
 vLLM 0.20.2 imports on a CPU machine but refuses to infer a device. Pretending the platform is CUDA
@@ -64,8 +65,6 @@ def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 
     ``as_pcp_runner``: as the PCP model runner builds it (our model at pcp > 1 needs that)."""
     import contextlib
 
-    from qwen36_pcp.layers.classes import pcp_model_build
-
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
@@ -74,6 +73,8 @@ def build_model(vllm_config, port: int = 29555, rank: int = 0, pcp_ranks: int = 
         model_parallel_is_initialized,
     )
     from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    from qwen36_pcp.layers.classes import pcp_model_build
 
     model_cls, _ = get_model_architecture(vllm_config.model_config)
     with set_current_vllm_config(vllm_config), torch.device("cpu"):

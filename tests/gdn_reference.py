@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """fp32 torch GDN kernels for the CPU tests, with the chunk structure of fla's chunked kernels.
 
 Same contracts as ``qwen36_pcp.layers.gdn_cp.VllmGDNKernels``. What makes them a stand-in worth

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The GDN split sweep: every GDN mode on every rank against the unsplit core, over batches whose
 lengths straddle every boundary the chunked kernels and the plan have.
 
@@ -13,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from harness.gdn_unsplit import gdn_unsplit_core
 from qwen36_pcp.config import GDN_CHUNK, PCPConfig
 from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.layers.gdn_cp import gdn_island, gdn_relay, gdn_state_passing
 from qwen36_pcp.plan import PCPPlan
 
-from harness.gdn_unsplit import gdn_unsplit_core
 from .layer_cases import cu_of
 
 MODES = ("relay", "state_passing", "island")

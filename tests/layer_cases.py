@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared random cases for the layer tests: a batch of unequal requests, some continuing from a cache."""
 
 from __future__ import annotations

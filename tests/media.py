@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Images and videos for the vision-language checks: deterministic pixels from a seed, and prompts of
 token ids with the vision placeholders where they go.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which rank decodes each request (decode="spread"): stable while a request decodes, balanced by rows
 then context, the same on every rank, ended by a recompute from token 0."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The first output token's detokenization primed from the end of the prompt gives the same text as
 vLLM's priming from the whole prompt (``qwen36_pcp.prompt_tail``, applied by ``patches``), with vLLM's own
 ``FastIncrementalDetokenizer`` and the byte-level tokenizer of the tiny checkpoint.

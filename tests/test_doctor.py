@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``python -m qwen36_pcp doctor``: each check's line and the exit code, on CPU (GPUs faked where a test
 needs them), with the full-size presets and small config-only checkpoints."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The GPU tests' engine harness on the CPU: QWEN36_PCP_REUSE takes a saved engine result only if the
 same spec, code and stack made it; every spec runs through ``run_engine``; an engine child that lost
 its rendezvous port starts again once."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 on vLLM 0.20.2's real objects (CPU, fake CUDA; no FP8 kernel runs).
 
 * The whole-experts memory estimate (``expert_memory.whole_experts_bytes``) for the Qwen3.6-35B-A3B config:

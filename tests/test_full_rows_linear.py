@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """At a split step the narrow linear layers run on pcp=1's row count (cuBLAS then picks pcp=1's
 kernel); elsewhere (a spread decode step included: its CUDA graph holds the op unpadded) they are the
 plain product."""

@@ -1,18 +1,26 @@
+# SPDX-License-Identifier: Apache-2.0
 """GDN context parallel on 2, 4 and 8 gloo ranks == the unsplit chunked scan (fp32)."""
 
 import numpy as np
 import pytest
 import torch
 
+from harness.dist import run_distributed
 from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.layers.device_copy import Varlen
 from qwen36_pcp.layers.gdn_cp import conv_with_halo
 from qwen36_pcp.plan import PCPConfig, PCPPlan
 
-from harness.dist import run_distributed
 from .gdn_reference import TorchGDNKernels
 from .gdn_sweep import (
-    case_name, compare, full_core, rank_modes, sweep_batches, sweep_configs, unaligned_blocks, worst_of,
+    case_name,
+    compare,
+    full_core,
+    rank_modes,
+    sweep_batches,
+    sweep_configs,
+    unaligned_blocks,
+    worst_of,
 )
 from .layer_cases import cu_of, gdn_case
 

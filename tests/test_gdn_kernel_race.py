@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The GDN kernel-race diagnostic's own logic (``tests/gpu/gdn_kernel_race.py``): what it calls the same
 output, and an autotuner pinned to one config at a time and given back as it was."""
 

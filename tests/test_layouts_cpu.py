@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Beyond tp=1, on vLLM 0.20.2's real objects (CPU, gloo): configs resolved for tp=2 x pcp=2, tp=1 x pcp=4
 and pcp=8, vLLM's process-group layout (ExternalDP x DP x PP x PCP x TP, TP fastest) and the PCP
 all-gather order the plugin relies on, the model built and loaded on every rank (PCP layers, expert
@@ -59,9 +60,9 @@ TOPOLOGIES = [(2, 2), (1, 4), (1, 8)]
 
 
 def _configs(rank, world_size, port, ckpt):
-    import qwen36_pcp
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
+    import qwen36_pcp
     from qwen36_pcp.checks import validate_pcp_config
     from qwen36_pcp.expert_memory import whole_experts_problems
 
@@ -322,13 +323,13 @@ def test_whole_experts_memory_check_divides_by_tp_not_by_pcp(server, tiny_ckpt):
 def _block_tables(rank, world_size, port):
     """vLLM's block tables for a 1000-token model length in a PCP group of ``world_size``: outside the
     runner's ``pcp1_block_tables`` a row holds 1/pcp of the sequence's blocks; inside, all of them."""
+    from types import SimpleNamespace
+
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.v1.worker import block_table as bt
     from vllm.v1.worker import gpu_model_runner as gmr
-
-    from types import SimpleNamespace
 
     from qwen36_pcp.runner import PCPModelRunner, pcp1_block_tables
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tests for qwen36_pcp.tools.make_checkpoint (CPU only, small presets)."""
 
 from __future__ import annotations
@@ -333,7 +334,7 @@ def test_tensor_layout_moe(tiny):
     cfg = _config(tiny)
     t = cfg["text_config"]
     names = _tensor_names_and_shapes(tiny)
-    H, E, I = t["hidden_size"], t["num_experts"], t["moe_intermediate_size"]
+    H, E, I = t["hidden_size"], t["num_experts"], t["moe_intermediate_size"]  # noqa: E741 (the shapes' names)
     L = "model.language_model.layers"
     # main layers: fused experts, [E, 2I, H] and [E, H, I], no ".weight"
     for i in range(t["num_hidden_layers"]):

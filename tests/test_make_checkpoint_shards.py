@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``make_checkpoint --num-shards N``: exactly N files, each with at least one tensor; more shards than
 tensors are refused before anything is written (CPU only, tiny presets)."""
 

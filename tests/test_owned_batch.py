@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A spread decode step's new K/V on 2 and 4 gloo ranks (``owned_batch.defer_staged_kv``): each rank's
 model call wrote its own rows into its caches through the plugin's attention impl, which kept them in
 the step's ``KVStage``; from there every layer's rows of every rank reach every rank's caches with the
@@ -8,11 +9,10 @@ import pytest
 import torch
 
 from harness.dist import run_distributed
+from harness.runner_stand_in import exchange_slots, pcp_attention_layers
 from qwen36_pcp.config import PCPConfig
 from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.plan import PCPPlan
-
-from harness.runner_stand_in import exchange_slots, pcp_attention_layers
 
 from .layer_cases import kv_layout
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Properties of the per-step PCP plan over many small random cases (pure host code)."""
 
 import itertools
@@ -202,7 +203,8 @@ def test_conv_sources_point_at_the_previous_inputs():
                     for w in range(w1):
                         full = plan.local_full_idx[r, tails[j, w]]
                         req = int(np.searchsorted(plan.req_start, full, side="right") - 1) if full >= 0 else -1
-                        rows[(r * num_segs + j) * w1 + w] = ("new", req, int(full - plan.req_start[req]) if full >= 0 else None)
+                        rows[(r * num_segs + j) * w1 + w] = ("new", req,
+                                                             int(full - plan.req_start[req]) if full >= 0 else None)
             for i in range(plan.num_reqs):
                 for w in range(w1):
                     rows[world_size * num_segs * w1 + i * w1 + w] = ("cached", i, w - w1)
@@ -333,7 +335,8 @@ def test_verified_requests_come_first_and_the_others_plan_is_the_rest(world_size
         assert [s.req for s in plan.local_segments[: len(mine)]] == mine
         rest = plan.gdn_plan
         keep = np.flatnonzero(~verify)
-        assert rest.num_new.tolist() == num_new[keep].tolist() and rest.num_computed.tolist() == num_computed[keep].tolist()
+        assert rest.num_new.tolist() == num_new[keep].tolist()
+        assert rest.num_computed.tolist() == num_computed[keep].tolist()
         n, skip = rest.num_local_tokens, plan.verify_rows()
         assert plan.num_local_tokens == skip + n
         # the same rows in the same order: the other plan's tokens are the full batch's of its requests

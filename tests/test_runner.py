@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The PCP model runner's own steps on real gloo ranks: the plan taken once from ``_prepare_inputs``,
 CUDA graphs skipped only at split steps, each rank's slice of the inputs, the output gather (with and
 without prompt logprobs) and rank 0's sampled rows at unsplit steps (its block tables:
@@ -20,8 +21,17 @@ import pytest
 import torch
 
 from harness.dist import run_distributed
-from harness.runner_stand_in import (HIDDEN, BlockTables, cuda_graphs, execute_spread_runner, expected_rows,
-                                     model_rows, spread_runner, stand_in_runner)
+from harness.runner_stand_in import (
+    HIDDEN,
+    BlockTables,
+    cuda_graphs,
+    execute_spread_runner,
+    expected_rows,
+    model_rows,
+    spread_runner,
+    stand_in_runner,
+)
+
 
 def _image_prompt(num_tokens: int, images: list[tuple[int, int, int]]):
     """A prompt's placeholder embeddings (one element per row: text rows their token id, image rows a
@@ -84,7 +94,8 @@ def _steps(rank, group):
         ids = torch.from_numpy(np.concatenate([np.arange(n) * 7 + 3 + i for i, n in enumerate(num_new)]))
         pos = torch.from_numpy(np.concatenate([c + np.arange(n) for c, n in zip(num_computed, num_new)]))
         pad = 4
-        ids, pos = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]), torch.cat([pos, torch.zeros(pad, dtype=pos.dtype)])
+        ids, pos = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]), torch.cat([pos, torch.zeros(pad,
+                                                                                                    dtype=pos.dtype)])
         with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
             hidden = runner._model_forward(input_ids=ids, positions=pos)
         step = runner.pcp_step
@@ -358,7 +369,8 @@ def _one_batch_decoding_on(rank, group):
             runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=computed,
                                                  num_prompt_tokens=np.array([17, 40, 3000, 700, 9]),
                                                  block_table=BlockTables())
-            runner.requests = {r: SimpleNamespace(num_tokens=int(c) + 1, block_ids=([], [])) for r, c in zip(req_ids, computed)}
+            runner.requests = {r: SimpleNamespace(num_tokens=int(c) + 1, block_ids=([], [])) for r, c in zip(req_ids,
+                                                                                                             computed)}
             runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
             calls.clear()
             _, mode, hidden, _ = execute_spread_runner(runner, np.ones(5, dtype=np.int32))
@@ -520,7 +532,8 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
             seq_lens = (np.array(computed[name]) + 1)[mine].tolist()
             if n:
                 meta = calls["metadata"]
-                assert (meta["num_tokens"], meta["num_reqs"], meta["num_tokens_padded"], meta["num_reqs_padded"]) == (n, n, rows, rows)
+                assert (meta["num_tokens"], meta["num_reqs"], meta["num_tokens_padded"],
+                        meta["num_reqs_padded"]) == (n, n, rows, rows)
                 assert meta["starts"] == meta["host_starts"] == [min(i, n) for i in range(rows + 1)]
                 assert meta["seq_lens"][:n] == seq_lens and meta["host_seq_lens"][:n] == seq_lens
                 assert not any(meta["seq_lens"][n:])
@@ -537,12 +550,14 @@ def test_spread_decode_steps_through_the_runner(spread_runs):
                 assert step["seen"] == []
             # every sampled row is its owner's bits (the stand-in model adds its rank), on every rank
             sampled = step["rows"]
-            assert torch.equal(step["hidden"][sampled], step["expected"][sampled] + torch.from_numpy(owner)[:, None].double()), (name, rank)
+            owner_noise = torch.from_numpy(owner)[:, None].double()
+            assert torch.equal(step["hidden"][sampled], step["expected"][sampled] + owner_noise), (name, rank)
             # every rank's caches hold every request's new K/V (its owner's, through the output gather)
             ids, pos = step["whole"]
             slots = torch.arange(len(ids)) * 11 + 7
             for j, (k, v) in enumerate(step["kv"]):
-                assert torch.equal(k[slots], expected_rows(ids, pos) + j) and torch.equal(v[slots], -k[slots]), (name, rank, j)
+                assert torch.equal(k[slots], expected_rows(ids, pos) + j) and torch.equal(v[slots],
+                                                                                          -k[slots]), (name, rank, j)
         assert results["decode3"]["owner"] == ([0, 1, 2] if world_size == 4 else [0, 1, 0])  # pcp=4: rank 3 none
         assert results["decode_lopsided"]["owner"] == [0] * 5 and results["decode_lopsided"]["owned"].num_rows == 8
         # a mixed step splits as before: the layers get the step's PCP context, no owned batch
@@ -587,7 +602,8 @@ def test_verification_steps_spread_through_the_runner(spread_runs):
             reqs = {1: 1, 2: 2, 3: 4}[most]  # requests of the captured graph the busiest rank's fit in
             rows = 4 * reqs
             assert step["owned"].num_rows == rows and step["owned"].query_len == 4 and step["owned"].num_reqs == n
-            assert calls["dispatch"] == (rows, reqs, False, CUDAGraphMode.FULL, rows) and step["mode"] == CUDAGraphMode.FULL
+            assert calls["dispatch"] == (rows, reqs, False, CUDAGraphMode.FULL,
+                                         rows) and step["mode"] == CUDAGraphMode.FULL
             meta = calls["metadata"]
             assert (meta["num_tokens"], meta["num_reqs"], meta["num_tokens_padded"], meta["num_reqs_padded"]) == (
                 4 * n, n, rows, reqs)
@@ -619,7 +635,8 @@ def test_verification_steps_spread_through_the_runner(spread_runs):
         mine = [owner_of["a"], owner_of["b"]]
         assert mixed["owner"] == mine + [-1] and mixed["owned"] is None
         assert mixed["seen"] == [(600 + 4 * max(mine.count(r) for r in range(world_size)), True)], rank
-        assert mixed["plan"].verify.tolist() == [True, True, False] and mixed["plan"].verify_rows() == 4 * mine.count(rank)
+        assert mixed["plan"].verify.tolist() == [True, True,
+                                                 False] and mixed["plan"].verify_rows() == 4 * mine.count(rank)
         assert set(mixed["owners_after"]) == set("abcde")
         assert all(torch.equal(x, e) for x, e in zip(mixed["states"], _states(rank))), rank
         _check_read_rows(mixed, [range(0, 4), range(4, 8), [607]])
@@ -772,7 +789,8 @@ def test_a_proposal_that_skips_the_model_raises():
 
 
 @pytest.mark.parametrize("decode,mtp,mode,held", [("spread", True, "none", True), ("spread", False, "align", True),
-                                                   ("spread", False, "none", False), ("replicated", True, "align", False)])
+                                                   ("spread", False, "none", False), ("replicated", True, "align",
+                                                                                      False)])
 def test_the_memory_profile_holds_a_state_broadcast_where_spread_sends_states(monkeypatch, decode, mtp, mode, held):
     """With ``decode="spread"`` and GDN states to send (MTP's hand-overs, prefix caching's filled blocks)
     the profile run broadcasts a state payload at its largest while twice that is held (the sender's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The host-staged communicator that lets the GPU checks run pcp=2 on one GPU moves exact bytes."""
 
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Split full attention on 2 and 4 gloo ranks == causal attention over the whole sequence, with the
 decode rows replicated or each on one rank (decode="spread"): every rank's cache gets every new K/V."""
 
@@ -6,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.dist import run_distributed
 from qwen36_pcp.layers.context import PCPContext
-from .attention_reference import split_attention_reference
 from qwen36_pcp.plan import PCPConfig, PCPPlan
 
-from harness.dist import run_distributed
+from .attention_reference import split_attention_reference
 from .layer_cases import BATCHES, kv_layout
 
 H, KVH, D, BS = 4, 2, 16, 8
@@ -43,7 +44,8 @@ def _worker(rank, group, layouts):
     scale = D**-0.5
     worst = 0.0
     cases = [(b, lay, spread) for b in BATCHES for lay in layouts for spread in (False, True)]
-    cases.append((([40, 9, 3, 0], [1, 1, 1, 700]), "zigzag", True))  # decode rows beside a split: at pcp=4 rank 3 owns none
+    cases.append((([40, 9, 3, 0], [1, 1, 1, 700]), "zigzag",
+                  True))  # decode rows beside a split: at pcp=4 rank 3 owns none
     for (num_computed, num_new), layout, spread in cases:
         seed = sum(num_new) * 31 + len(num_new)
         ctx_kv, q, k, v = make_case(seed, num_computed, num_new)

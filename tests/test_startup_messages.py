@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Startup messages where vLLM itself would say something cryptic, for our model at pcp > 1
 (``early_refusals.before_config_error``, raised from ``patches``' wrapper of ``EngineArgs.create_engine_config``).
 
@@ -226,7 +227,8 @@ def test_option_warnings_name_the_key_and_the_value_in_effect():
         logger.removeHandler(records)
     messages = records.messages
     assert "'qwen36pcp' is not 'qwen36_pcp'" in messages[0], messages
-    assert "min_split_tokens=100 is under the split floor" in messages[1] and "fewer than 1024 new tokens" in messages[1]
+    assert "min_split_tokens=100 is under the split floor" in messages[1]
+    assert "fewer than 1024 new tokens" in messages[1]
     assert len(messages) == quiet  # nothing for vLLM's own keys and good options
     assert "gdn_mode must be one of" in options_message({"qwen36_pcp": {"gdn_mode": "bogus"}}, 2)
     assert "must be a JSON object" in options_message({"qwen36_pcp": ["relay"]}, 2)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """State blocks that spread decode rows fill (``state_blocks``) on 2 and 4 gloo ranks: every rank's
 slots of the blocks that owned rows fill this step hold their owner's states afterwards, in one
 broadcast per owner; every other slot stays as it was. With MTP, a hand-over sends every block of

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``to_device_all``: a step's host indices reach the device in one copy, each array intact (dtype,
 shape, values) and starting 16-byte aligned (Triton specialises its kernels on 16-byte pointer
 alignment, which fresh device allocations have)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A split step with MTP verification rows beside it, through the PCP GDN layer on gloo ranks.
 
 The layer's verification rows go to vLLM's own core (``GatedDeltaNetAttention._forward_core``) with
@@ -42,7 +43,8 @@ def _case(seed: int = 5):
     T = sum(NUM_NEW)
     case = {"mixed_qkv": torch.randn(T, D, generator=g), "a": torch.randn(T, HV, generator=g),
             "b": torch.randn(T, HV, generator=g),
-            "conv": torch.randn(12, WIDTH - 1 + K, D, generator=g), "ssm": torch.randn(12, HV, DV, DK, generator=g) * 0.3,
+            "conv": torch.randn(12, WIDTH - 1 + K, D, generator=g), "ssm": torch.randn(12, HV, DV, DK,
+                                                                                       generator=g) * 0.3,
             "conv_weight": torch.randn(D, 1, WIDTH, generator=g) * 0.5, "conv_bias": torch.randn(D, generator=g) * 0.1,
             "A_log": torch.linspace(math.log(0.02), math.log(8.0), HV), "dt_bias": torch.randn(HV, generator=g) * 0.1}
     return case

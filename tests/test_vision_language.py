@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The vision-language class on the CPU: vLLM's processor takes images and videos for the checkpoints
 the maker writes (its processor files, both layouts), with the placeholder counts the GPU checks
 build their prompts from; the text-only class refuses them. (The model built with

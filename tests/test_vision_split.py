@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The vision encoder split over the PCP ranks (``qwen36_pcp.layers.vision_split``).
 
 Two halves of one claim, both against the whole batch encoded at once:
@@ -48,12 +49,12 @@ def tiny_ckpt_server(tmp_path_factory, fake_cuda_ranks):
 
 
 def _real_tower(rank, world_size, port, ckpt: str) -> dict:
-    from tests.fake_cuda import engine_config
-
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
+
+    from tests.fake_cuda import engine_config
 
     cfg = engine_config(ckpt, hf_overrides={"architectures": ["Qwen3_6ForConditionalGeneration"]},
                         mm_encoder_attn_backend="TORCH_SDPA")

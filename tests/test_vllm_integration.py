@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The plugin against vLLM 0.20.2's real classes on the CPU: registration, config resolution, startup
 checks, the replicated-KV guards (lifted only for our model at pcp > 1), weight mapping, and the plan
 the runner hook builds from a step's inputs."""
@@ -24,8 +25,9 @@ def _configs(ckpt):
     from tests.fake_cuda import engine_config, use_fake_cuda
 
     use_fake_cuda()
-    import qwen36_pcp
     from vllm import ModelRegistry
+
+    import qwen36_pcp
 
     qwen36_pcp.register()
     qwen36_pcp.register()  # idempotent
@@ -190,8 +192,9 @@ def _kv_guards(ckpt):
     from tests.fake_cuda import engine_config, use_fake_cuda
 
     use_fake_cuda()
-    import qwen36_pcp
     import torch
+
+    import qwen36_pcp
 
     qwen36_pcp.register()
     import vllm.v1.engine.core as core
@@ -277,7 +280,6 @@ def _model(ckpt, pcp, arch=ARCH):
 
     qwen36_pcp.register()
     from safetensors import safe_open
-
     from vllm.model_executor.custom_op import op_registry_oot
 
     from qwen36_pcp.model import SKIPPED_PREFIXES

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The plugin in a process that vLLM starts fresh: a worker of a secondary node.
 
 vLLM calls ``vllm.plugins.load_general_plugins()`` in every process it starts. The workers are the
@@ -258,7 +259,7 @@ with open(os.path.join(out_dir, "launcher.json"), "w") as f:
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)  # skip vLLM's interpreter teardown
-""" % {"probe": PROBE_WORKER}
+""" % {"probe": PROBE_WORKER}  # noqa: UP031 (a program's text: its braces are its own)
 
 
 def _run(args, env, timeout):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Our model's layers at pcp > 1: vLLM's layers, built as their PCP subclasses.
 
 vLLM's Qwen3.5 decoder layers build ``GatedDeltaNetAttention``, ``FusedMoE`` and ``ReplicatedLinear``
@@ -59,7 +60,8 @@ def pcp_layer_classes(replacements: dict[type, type]):
              if vllm_cls.__name__ in op_registry_oot}
     if taken:
         raise RuntimeError(
-            f"qwen36_pcp: {' and '.join(ARCHITECTURES)} at prefill_context_parallel_size > 1 builds its own subclasses of "
+            f"qwen36_pcp: {' and '.join(ARCHITECTURES)} at prefill_context_parallel_size > 1 builds its own "
+            "subclasses of "
             f"vLLM's {sorted(taken)}, which another plugin already replaces "
             f"({', '.join(f'{k} -> {v.__module__}.{v.__qualname__}' for k, v in taken.items())})")
     registered = []

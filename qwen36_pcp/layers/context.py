@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The PCP context: one object per split step, passed to every PCP layer.
 
 It holds the host plan, the step's device index tensors (built once per step from the plan, typed

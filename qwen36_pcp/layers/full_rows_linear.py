@@ -1,10 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
 """Narrow linear layers run on the step's full row count at pcp > 1, so they round as at pcp == 1.
 
 cuBLAS picks the kernel of a product by its shape, the row count included, and the kernels differ in
 summation order. For the wide projections that choice leaves every row's bits as they are, but the
 shared-expert gate ([T, H] x [H, 1]) came out one bf16 ulp apart from pcp=1's on a few rows when a
 rank ran half the step's rows (found with ``python -m tests.gpu.diagnose dump`` on a batch of 1 to
-65536-token prompts), and the GDN layers after it carried that into every later token of the request. At a split step such a layer
+65536-token prompts), and the GDN layers after it carried that into every later token of the request. At a split step
+such a layer
 runs on its rows padded to pcp=1's row count for the step (``PCPContext.num_tokens_padded``): cuBLAS
 then sees pcp=1's shape. For an output this narrow the extra rows cost next to nothing; the padded
 copy is one hidden-state tensor of the full step, which vLLM's memory profile (an unsplit step of

@@ -1,8 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """Gated DeltaNet context parallel: each rank scans only its own segments.
 
 ``relay`` (default, exact): blocks lie on whole 64-token chunks, and each run of adjacent blocks is
 scanned from the true end state of the run before it (sent to the next run's owner alone; the last
-owner broadcasts the final states), so every output and state is bit for bit the one-GPU scan's. Only the state recurrence is serial along the
+owner broadcasts the final states), so every output and state is bit for bit the one-GPU scan's. Only the state
+recurrence is serial along the
 chain; the chunk-local steps (cumsum, K K^T, its solve, the WY factors) run for all local tokens at
 once, and the outputs after the state is sent.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM's FlashAttention impl with split-attention steps (K/V all-gather + end-aligned causal varlen).
 
 On steps without a PCP context (pcp == 1, decode-only steps, profiling) it is vLLM's impl unchanged.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM's GatedDeltaNetAttention with context-parallel steps (relay, state passing or island).
 
 Only the core (conv + gated delta rule) changes: projections, gated norm and out_proj run on the local

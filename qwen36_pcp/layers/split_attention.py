@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Split full attention: every rank's new K/V into every rank's (replicated) paged KV cache, then
 end-aligned causal varlen attention of the local queries against the cache.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The vision encoder split over the PCP ranks: each rank encodes a contiguous share of the step's
 frames, and one all-gather gives every rank every embedding.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM's FusedMoE with every expert whole on each PCP rank (``moe_experts="replicated"``, the default).
 
 vLLM 0.20.2 shards each expert's intermediate dimension over TP x PCP and wraps the experts in a PCP

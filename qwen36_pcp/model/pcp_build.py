@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What both of our model classes do around vLLM's constructor (text-only and vision-language).
 
 At prefill_context_parallel_size > 1 the PCP model runner builds them while the PCP layer classes are

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Qwen3_6ForCausalLM: text-only Qwen3.6 / Qwen3.5 hybrid (Gated DeltaNet + gated attention) model.
 
 Built on vLLM's own Qwen3.5 layers. It loads the published multimodal checkpoints

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Qwen3_6ForConditionalGeneration: the vision-language Qwen3.6 / Qwen3.5 (images and video), MoE and dense.
 
 vLLM's Qwen3.5 vision-language model (vision tower, processor, encoder cache, M-RoPE positions), with

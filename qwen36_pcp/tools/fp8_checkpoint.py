@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The block-wise FP8 layout of the published Qwen3.6-35B-A3B-FP8, as vLLM's ``Fp8Config`` loads it
 (``make_checkpoint --fp8``).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Write a small random checkpoint laid out like a published Qwen3.6 / Qwen3.5 release.
 
     python -m qwen36_pcp.tools.make_checkpoint OUT_DIR --preset tiny [--seed 0] [--num-shards N] [--fp8]

@@ -1,7 +1,9 @@
+# SPDX-License-Identifier: Apache-2.0
 """GPU diagnostics, one entry point (one GPU is enough for each):
 
     python -m tests.gpu.diagnose dump ENGINE LAYOUT STEP:LO:HI[,...]   # where a layout departs from pcp=1
-    python -m tests.gpu.diagnose kkt-race [--sweep-configs | --config-sensitivity | --pin-cost] [--lengths ...] [--runs N] [--shape tiny|35b]
+    python -m tests.gpu.diagnose kkt-race [--sweep-configs | --config-sensitivity | --pin-cost] [--lengths ...]
+    [--runs N] [--shape tiny|35b]
     python -m tests.gpu.diagnose warm                                  # build and autotune the PCP kernels
 
 ``dump``: the first batch of one of ``test_pcp_e2e``'s engines (``defaults`` or ``chunked``) on pcp=1 and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End-to-end GPU checks: engines run in child processes (clean GPU state, bounded by timeouts).
 
     python -m tests.gpu.e2e engine SPEC.json OUT.json     # one engine: run prompts, dump outputs

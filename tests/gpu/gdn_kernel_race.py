@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Are vLLM's GDN prefill kernels deterministic on their own? (1 GPU, no engine)
 
     python -m tests.gpu.diagnose kkt-race [--lengths 2049 4097 16384] [--runs 20] [--shape tiny|35b]
@@ -16,7 +17,8 @@ configs to keep for one answer) and the whole call's time under the fastest of t
 configs ``qwen36_pcp.deterministic_gdn`` pins it to (what keeping those costs).
 On H200 (2026-12-01) that kernel alone was nondeterministic from 3000 tokens on, under 9 of its 27
 configs at the tiny shape and 10-11 at the 35b one; the BK=128 ones were exact.
-``qwen36_pcp.deterministic_gdn.pin_gdn_configs`` keeps those, and keeps the two kernels ``--config-sensitivity`` found (``chunk_fwd_kernel_o``, ``solve_tril``'s 64x64
+``qwen36_pcp.deterministic_gdn.pin_gdn_configs`` keeps those, and keeps the two kernels ``--config-sensitivity``
+found (``chunk_fwd_kernel_o``, ``solve_tril``'s 64x64
 merge) to one output's configs; ``--pin-cost`` times what that costs.
 """
 

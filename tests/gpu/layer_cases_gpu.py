@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """GPU layer comparisons (bf16, vLLM's kernels) of every PCP rank against the unsplit kernels.
 
 Each function is one rank's part; it runs under ``replay`` (every rank in one process on one GPU) or
@@ -8,14 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from harness.layer_inputs import ATTN, GDN, gdn_inputs
 from qwen36_pcp.config import PCPConfig
 from qwen36_pcp.layers.context import PCPContext
 from qwen36_pcp.layers.gdn_cp import VllmGDNKernels
 from qwen36_pcp.layers.split_attention import attend_local_flash, gather_kv_for_cache
 from qwen36_pcp.plan import PCPPlan
 from tests.gdn_sweep import case_name, compare, errors, full_core, rank_modes, sweep_batches, sweep_configs
-
-from harness.layer_inputs import ATTN, GDN, gdn_inputs
 
 # fresh prompt, decode row, continuation, short prompt
 ATTENTION_BATCH = ([0, 0, 1500, 40], [8192, 1, 3000, 7])

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-module activations of chosen rows of an engine step, to find where pcp=2 departs from pcp=1.
 
 An engine built with ``worker_cls="tests.gpu.layer_dump.DumpingWorker"`` (ranks on GPU 0, see

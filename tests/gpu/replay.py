@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """N PCP ranks replayed in one process on one GPU: each rank a thread, collectives through a barrier.
 
 ``replay(fn, world_size, *args)`` runs ``fn(rank, group, *args)`` for every rank and returns the results

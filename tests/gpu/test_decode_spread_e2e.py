@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Decode spread over the PCP ranks (``decode="spread"``) end to end, against pcp=1.
 
     python -m pytest -q -s tests/gpu/test_decode_spread_e2e.py     # one GPU is enough
@@ -71,7 +72,8 @@ def _specs() -> dict:
                                        enable_prefix_caching=False, speculative_config=MTP,
                                        disable_log_stats=False),
             "engine_core_in_process": True,
-            "batches": [e2e.prompt_ids((3000,), vocab, seed=28), e2e.prompt_ids(mixed_lengths(40, 8000), vocab, seed=29)],
+            "batches": [e2e.prompt_ids((3000,), vocab, seed=28),
+                        e2e.prompt_ids(mixed_lengths(40, 8000), vocab, seed=29)],
             "actions": ["spec_decode_metrics", "max_tokens_one", "abort_mid_decode"],
             "abort_decode_prompts": e2e.prompt_ids(ABORT_DECODE_LENGTHS, vocab, seed=26),
             "abort_decode_victims": ABORT_DECODE_VICTIMS,

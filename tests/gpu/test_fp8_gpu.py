@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 end to end: a block-wise FP8 checkpoint at pcp=2 against pcp=1, on the defaults engine's batches.
 
     python -m pytest -q -s tests/gpu/test_fp8_gpu.py      # one GPU is enough (shared-GPU worker)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Split attention and the GDN split sweep with vLLM's real kernels, bf16, against the unsplit kernels.
 
     python -m pytest -q -s tests/gpu/test_layers_gpu.py      # one GPU is enough

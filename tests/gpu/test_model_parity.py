@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Qwen3_6ForCausalLM at pcp=1 == vLLM's own Qwen3_5MoeForConditionalGeneration (1 GPU), and serving.
 
 Same tokens and max |dlogprob| <= TOLERANCE on every prompt. Both engines run without vLLM 0.20.2's

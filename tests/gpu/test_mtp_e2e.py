@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """MTP speculative decoding at pcp > 1 against the same layout's pcp=1 with MTP.
 
     python -m pytest -q -s tests/gpu/test_mtp_e2e.py     # one GPU is enough
@@ -17,7 +18,8 @@ The drafter's first pass over a split prompt runs each rank's rows (``mtp_first_
 default); at pcp=2 also on every row (``"whole"``).
 Judged: answers within vLLM's rule (bit for bit, drafts included, at pcp = 2 and 4 and tp=2 x pcp=2;
 at pcp=8 the 5000-token prompt's blocks are 320 tokens, short enough to round differently, as short
-splits do in test_pcp_e2e), accepted-token counts equal, greedy MTP at pcp=2 within the rule of greedy without MTP, no NaN.
+splits do in test_pcp_e2e), accepted-token counts equal, greedy MTP at pcp=2 within the rule of greedy without MTP,
+no NaN.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ REFERENCE = {"mtp3_pcp2": "mtp3_pcp1", "mtp3_pcp4": "mtp3_pcp1", "mtp3_pcp8": "m
              "mtp3_pcp2_whole": "mtp3_pcp1", "draft1_pcp2_whole": "draft1_pcp1"}
 # pcp=8 cuts the 5000-token prompt into blocks of 320 tokens, short enough that flash-attention's
 # splits differ from pcp=1's (as for the short splits in test_pcp_e2e): within the rule, not bit for bit
-BIT_FOR_BIT = ("mtp3_pcp2", "mtp3_pcp4", "mtp1_pcp4", "draft1_pcp2", "draft3_tp2_pcp2", "mtp3_pcp2_whole", "draft1_pcp2_whole")
+BIT_FOR_BIT = ("mtp3_pcp2", "mtp3_pcp4", "mtp1_pcp4", "draft1_pcp2", "draft3_tp2_pcp2", "mtp3_pcp2_whole",
+               "draft1_pcp2_whole")
 
 
 # the draftable checkpoint: the target's residual branches scaled by this, the final norm unit
@@ -246,7 +249,8 @@ def test_mtp_chunked_prompt_alone(engine_pool):
     for name in outs:
         assert report[name]["ok"] and report[name]["nonfinite"] == 0, (name, report[name])
     assert outs["chunked_pcp2"] == outs["chunked_after_history_pcp2"]
-    assert report["accepted"][1] and (report["accepted"][0] == report["accepted"][1] or not report["identical"]), report["accepted"]
+    accepted = report["accepted"]
+    assert accepted[1] and (accepted[0] == accepted[1] or not report["identical"]), accepted
 
 
 # prefix-cache hits with MTP: a 12000-token prompt, then two requests that continue it (the accepting

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """MTP under load: long prompts split beside requests verifying drafts, against pcp=1 with MTP.
 
     python -m pytest -q -s tests/gpu/test_mtp_load_e2e.py     # one GPU is enough

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefill context parallel end to end, every layout against its unsplit counterpart.
 
     python -m pytest -q -s tests/gpu/test_pcp_e2e.py     # one GPU is enough

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The README's quick start, command by command, as a user runs it.
 
     python -m pytest -q -s tests/gpu/test_quickstart.py    # one GPU is enough (shared-GPU worker)

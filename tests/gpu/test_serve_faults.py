@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`vllm serve -pcp 2` with vLLM's defaults (torch.compile, CUDA graphs, chunked prefill) under load and faults.
 
     python -m pytest -q -s tests/gpu/test_serve_faults.py      # one GPU is enough (shared-GPU worker)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PCP across two nodes through vLLM's multiprocessing launcher, both nodes on this machine.
 
     python -m pytest -q -s tests/gpu/test_two_nodes.py     # one GPU is enough (shared-GPU worker)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Images and video at pcp > 1: the vision-language class against itself at pcp=1.
 
     python -m pytest -q -s tests/gpu/test_vision_e2e.py     # one GPU is enough
@@ -88,9 +89,7 @@ def _serve_images(gpus: str) -> dict:
     import tempfile
     from pathlib import Path
 
-    from tests.media import image
-
-    from tests.media import write_video
+    from tests.media import image, write_video
 
     folder = Path(tempfile.mkdtemp())
     png = folder / "scan.png"

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Build and autotune on one GPU the Triton kernels that pcp > 1 and tp = 2 engines add to pcp=1's, so
 a machine that reuses this Triton cache (``~/.triton``) starts those engines warm.
 
