@@ -311,9 +311,9 @@ class PCPPlan:
     def sample_rows(self) -> SampleRows:
         """The rows vLLM samples from (each request's last ``num_read`` new tokens) and where they are
         gathered from."""
-        ends = self.req_start[1:]
-        full = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, self.num_read)]).astype(np.int64) \
-            if self.num_reqs else np.zeros(0, dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(self.num_read)])  # each request's rows among the read ones
+        within = np.arange(offsets[-1]) - np.repeat(offsets[:-1], self.num_read)
+        full = (np.repeat(self.req_start[1:] - self.num_read, self.num_read) + within).astype(np.int64)
         owner = self.gathered_of_full[full] // self.t_pad
         send = np.where(owner == self.rank, self.gathered_of_full[full] % self.t_pad, 0)
         pick = owner * len(full) + np.arange(len(full))

@@ -6,8 +6,10 @@ step's plan, built once on the host from what every rank already holds (tokens i
 scheduled now: no collective). A step that splits a prompt runs without CUDA graphs (they were
 captured for whole-batch sizes; the torch.compile'd graph still runs), each rank runs the model on its
 rows with the step's ``PCPContext`` in vLLM's forward context, and one all-gather brings every rank
-the rows vLLM reads next (each request's last row; every row when a request wants prompt logprobs), so
-sampling, logprobs and prompt logprobs see what they see at pcp == 1. An unsplit step (decode, short
+the rows vLLM reads next (each request's logits rows: its last row, and with MTP drafts every
+verification row; every row when a request wants prompt logprobs), so sampling, logprobs and prompt
+logprobs see what they see at pcp == 1. With MTP a split step also carries the requests verifying
+drafts, computed whole (``PCPPlan(verify=...)``). An unsplit step (decode, short
 prompts) runs on every rank as at pcp == 1 and takes the rows that get sampled from rank 0; with
 ``decode="spread"`` a step's decode rows go each to its request's owner instead, planned as a split
 step is; at a step of decode rows alone each rank runs vLLM's own decode of the requests it owns
@@ -76,7 +78,9 @@ def pcp1_block_tables():
 class StepDrafts:
     """A step's speculative drafts as the plan needs them (``PCPModelRunner._step_drafts``)."""
 
-    verify: np.ndarray | None  # per request: vLLM's GDN layers verify it (None: no request has drafts)
+    # per request: vLLM's GDN layers verify it (None: they verify none, as vLLM's builder rules where no
+    # request past its prompt has drafts)
+    verify: np.ndarray | None
     num_read: np.ndarray  # per request: the rows vLLM reads (1 + its drafts)
     uniform: bool  # vLLM's uniform batch of verifications (a spread step with decode="spread")
 
@@ -426,7 +430,10 @@ class PCPModelRunner(GPUModelRunner):
         (``mtp_first_pass="split"``, ``draft_first_pass``): not where vLLM's drafter reshapes its
         first pass's rows (``needs_extra_input_slots``: parallel drafting), which then runs whole."""
         drafter = getattr(self, "drafter", None) if self.speculative_config is not None else None
-        return (drafter is not None and self.pcp_config.mtp_first_pass == "split"
+        # vLLM's unpadded drafter batch (``disable_padded_drafter_batch``) drops the rejected drafts' rows
+        # from its first pass: not the plan's rows
+        unpadded = getattr(self.speculative_config, "disable_padded_drafter_batch", False)
+        return (drafter is not None and self.pcp_config.mtp_first_pass == "split" and not unpadded
                 and not getattr(drafter, "needs_extra_input_slots", True))
 
     def _reads_every_row(self, split_drafter: bool) -> bool:

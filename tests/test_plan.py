@@ -326,6 +326,7 @@ def test_verified_requests_come_first_and_the_others_plan_is_the_rest(world_size
     verify = np.array([True, False, True, False, False, True, False, False])
     owner = np.where(verify, rng.integers(0, world_size, len(num_new)), -1) if spread else None
     num_read = np.where(verify, num_new, 1)
+    sent = []
     for rank in range(world_size):
         plan = PCPPlan(num_computed, num_new, world_size, rank, config, owner, verify=verify, num_read=num_read)
         assert not plan.split[verify].any() and plan.split.tolist() == [False, True, False, True, False, False,
@@ -349,9 +350,13 @@ def test_verified_requests_come_first_and_the_others_plan_is_the_rest(world_size
         request = np.repeat(np.arange(8), num_read)
         verified_on = owner[request] if spread else np.zeros(len(request), dtype=int)
         assert (primary[verify[request]] == verified_on[verify[request]]).all()
-        assert (rows.pick == primary * len(rows.full) + np.arange(len(rows.full))).all()
+        sent.append(plan.local_full_idx[rank][rows.send])  # the full token of each row this rank sends
+    # the gather (every rank's sent rows, rank-major) picked at ``pick`` holds every row vLLM reads
+    gathered = np.concatenate(sent)
+    assert gathered[rows.pick].tolist() == rows.full.tolist()
     all_verified = PCPPlan([9, 9], [4, 4], world_size, 0, config, verify=np.array([True, True]))
-    assert all_verified.gdn_plan is None and PCPPlan([0], [300], world_size, 0, config).gdn_plan is not None
+    none_verified = PCPPlan([0], [300], world_size, 0, config)
+    assert all_verified.gdn_plan is None and none_verified.gdn_plan is none_verified
     with pytest.raises(ValueError, match="not verified"):
         PCPPlan([9, 0], [4, 300], world_size, 0, config, handover=np.array([1, -1]), verify=np.array([True, False]))
     with pytest.raises(ValueError, match="num_read"):

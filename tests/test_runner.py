@@ -389,8 +389,9 @@ def _one_batch_decoding_on(rank, group):
 def _verification_steps(rank, group):
     """decode="spread" with MTP (K = 3) through the runner: a step of 5 requests verifying 3 drafts each
     (each rank runs its own as vLLM's uniform batch of 4-row queries, through vLLM's FULL graph of that
-    size), the same batch a step later (its owned batch reused), then two of them beside a prompt: a
-    step computed whole, the two handed over first (every state block of theirs from its owner)."""
+    size), the same batch a step later (its owned batch reused), then two of them beside a prompt (they
+    stay with their owners, which verify them in the step's plan), then every request verifying with
+    one still a recompute's leftover (it alone handed over, every state block of its from its owner)."""
     from vllm.config import CUDAGraphMode
     from vllm.v1.utils import CpuGpuBuffer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -585,7 +586,8 @@ def test_verification_steps_spread_through_the_runner(spread_runs):
     """MTP with decode="spread" (``_verification_steps``): each rank verifies its own requests' drafts
     as vLLM's uniform batch (their accepted-token counts and drafts where the GDN metadata reads them),
     every row's hidden state and K/V reach every rank, the drafter gets the whole batch's metadata and
-    the buffers' whole values back; a step beside a prompt runs whole after a hand-over."""
+    the buffers' whole values back; beside a prompt they stay with their owners, and only a request that
+    is not a decode row (a recompute's leftover) is handed over."""
     from vllm.config import CUDAGraphMode
 
     world_size, ranks = spread_runs[0], [runs["verification"] for runs in spread_runs[1]]
@@ -918,3 +920,18 @@ def test_load_model_gives_the_attention_layers_their_kv_stage(monkeypatch, decod
         return
     assert [index for _, index in stages] == [0, 1] and stages[0][0] is stages[1][0] is runner._kv_stage
     assert runner._kv_stage.rows.shape == (4 * 3, 2, 2, 2, 8)
+
+
+@pytest.mark.parametrize("unpadded", [False, True])
+def test_the_drafter_runs_whole_where_vllm_drops_rejected_rows_from_its_first_pass(unpadded):
+    """vLLM's unpadded drafter batch (``disable_padded_drafter_batch``) runs its first pass over the
+    accepted rows only, not the plan's rows: that first pass is not split, and every row is gathered."""
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.runner import PCPModelRunner
+
+    runner = object.__new__(PCPModelRunner)
+    runner.pcp_config, runner.num_prompt_logprobs = PCPConfig(), {}
+    runner.speculative_config = SimpleNamespace(method="mtp", disable_padded_drafter_batch=unpadded)
+    runner.drafter = SimpleNamespace(needs_extra_input_slots=False)
+    split = runner._split_drafter_enabled()
+    assert split is (not unpadded) and runner._reads_every_row(split) is unpadded

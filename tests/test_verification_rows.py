@@ -29,16 +29,17 @@ from .gdn_reference import TorchGDNKernels
 K = 3  # drafts: each verified request holds 1 + K state blocks, its conv window K more columns
 HK, HV, DK, DV, WIDTH = 2, 4, 8, 8, 4
 D = 2 * HK * DK + HV * DV
-# A and C verify 3 drafts (4 rows), B is a short prompt, D a split prompt, E a decode row without drafts
-NUM_COMPUTED, NUM_NEW = [50, 0, 77, 0, 30], [4, 40, 4, 600, 1]
-VERIFY = np.array([True, False, True, False, False])
+# in the order vLLM's runner puts a batch (requests of at most 1 + K new tokens first): A and C verify 3
+# drafts (4 rows), E is a decode row without drafts, B a short prompt, D a split prompt
+NUM_COMPUTED, NUM_NEW = [50, 77, 30, 0, 0], [4, 4, 1, 40, 600]
+VERIFY = np.array([True, True, False, False, False])
 ACCEPTED = [2, 1]  # A's and C's accepted tokens at their previous step
 PREFIX = "model.layers.0.linear_attn"
 
 
 def _case(seed: int = 5):
     """Inputs, weights and caches: conv states [lines, W-1+K, D] (vLLM's default layout), SSM states
-    [lines, HV, V, K]; A's blocks 1..4, C's 5..8, B, D, E at lines 9, 10, 11."""
+    [lines, HV, V, K]; A's blocks 1..4, C's 5..8, E, B, D at lines 9, 10, 11."""
     g = torch.Generator().manual_seed(seed)
     T = sum(NUM_NEW)
     case = {"mixed_qkv": torch.randn(T, D, generator=g), "a": torch.randn(T, HV, generator=g),
@@ -102,6 +103,7 @@ def spec_core(layer, mixed_qkv, b, a, core_attn_out):
     starts = meta.spec_query_start_loc.tolist()
     for j in range(meta.num_spec_decodes):
         rows = spec_rows[starts[j]: starts[j + 1]]
+        gates = torch.arange(starts[j], starts[j + 1])  # vLLM's kernel reads a and b at the spec query starts
         blocks = meta.spec_state_indices_tensor[j].long()
         accepted = int(meta.num_accepted_tokens[j])
         window = conv_full[blocks[0], :, accepted - 1: accepted - 1 + WIDTH - 1]  # [D, W-1]
@@ -109,7 +111,7 @@ def spec_core(layer, mixed_qkv, b, a, core_attn_out):
         y = torch.nn.functional.conv1d(x.T[None], w.conv_weight[:, None, :], w.conv_bias, groups=D)[0].T
         y = torch.nn.functional.silu(y)
         conv_full[blocks[0]] = torch.cat([conv_full[blocks[0]].T, x], 0)[-(WIDTH - 1 + K):].T
-        q, k, v, g, beta = TorchGDNKernels.prep(y, a[rows], b[rows], w)
+        q, k, v, g, beta = TorchGDNKernels.prep(y, a[gates], b[gates], w)
         state = ssm[blocks[accepted - 1]][None].clone()
         for t in range(len(rows)):
             o, state = TorchGDNKernels.recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
@@ -184,22 +186,22 @@ def _rank_step(rank, group, owner, broken: bool):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("owner", [None, [1, -1, 0, -1, -1]], ids=["replicated", "spread"])
+@pytest.mark.parametrize("owner", [None, [1, 0, -1, -1, -1]], ids=["replicated", "spread"])
 def test_verification_rows_beside_a_split_prompt_are_vllms_whole_batch(world_size, owner):
     ref_out, (ref_conv, ref_ssm) = _whole_batch()
     for rank, (rows, out, pad, (conv, ssm), verify_rows, others) in enumerate(
             run_distributed(_rank_step, world_size, owner, False)):
-        # the rank's verification rows first (A, C; or the one it owns), then B, E and its blocks of D
-        mine = [i for i in (0, 2) if owner is None or owner[i] == rank]
+        # the rank's verification rows first (A, C; or the one it owns), then E, B and its blocks of D
+        mine = [i for i in (0, 1) if owner is None or owner[i] == rank]
         assert verify_rows == 4 * len(mine) and others == 3
-        assert rows[:verify_rows].tolist() == [r for i in mine for r in ((0, 1, 2, 3) if i == 0 else (44, 45, 46, 47))]
+        assert rows[:verify_rows].tolist() == [r for i in mine for r in ((0, 1, 2, 3) if i == 0 else (4, 5, 6, 7))]
         torch.testing.assert_close(out, ref_out.index_select(0, rows), rtol=1e-5, atol=2e-5)
         assert (pad == 7.0).all()
         # the verified requests' blocks (A: 1-4, C: 5-8) hold vLLM's states on the ranks that verify them
         lines = [b for i in mine for b in ((1, 2, 3, 4) if i == 0 else (5, 6, 7, 8))]
         torch.testing.assert_close(conv[lines], ref_conv[lines], rtol=1e-5, atol=2e-5)
         torch.testing.assert_close(ssm[lines], ref_ssm[lines], rtol=1e-5, atol=2e-5)
-        # the others' states (B, D, E at lines 9-11) on every rank
+        # the others' states (E, B, D at lines 9-11) on every rank
         torch.testing.assert_close(conv[9:12], ref_conv[9:12], rtol=1e-5, atol=2e-5)
         torch.testing.assert_close(ssm[9:12], ref_ssm[9:12], rtol=1e-5, atol=2e-5)
 
@@ -208,5 +210,5 @@ def test_narrowing_to_other_requests_than_the_ranks_is_seen():
     """The same comparison with the metadata narrowed to the wrong requests (the first verified ones,
     not the rank's own): rank 1 owns A, rank 0 C, so rank 0 verifies C's rows from A's blocks."""
     ref_out, _ = _whole_batch()
-    rows, out, *_ = run_distributed(_rank_step, 2, [1, -1, 0, -1, -1], True)[0]
+    rows, out, *_ = run_distributed(_rank_step, 2, [1, 0, -1, -1, -1], True)[0]
     assert not torch.allclose(out[:4], ref_out.index_select(0, rows[:4]), rtol=1e-3, atol=1e-3)

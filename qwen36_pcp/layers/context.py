@@ -80,20 +80,20 @@ class StepTensors:
     @classmethod
     def build(cls, plan: PCPPlan, device: torch.device, seq_lens: torch.Tensor | None = None) -> StepTensors:
         """``seq_lens``: each request's sequence length after the step on the device (vLLM's, which it
-        corrects there under async scheduling with drafts): a whole request's segment sees that many
-        keys. A split request's segments see the host's count, exact for them: a request with drafts
-        is never split, and only the previous step's drafts make the host's count run ahead."""
+        corrects there under async scheduling with drafts, where the host's count runs ahead by the
+        previous step's rejected drafts): a segment ending ``d`` tokens before its request's new tokens
+        end sees ``seq_lens[request] - d`` keys. None: the host's counts (exact without drafts)."""
         seqs = plan.attention_seqs()
         local = plan.local_full_idx[plan.rank].copy()
         local[local < 0] = 0
         lens = np.diff(seqs.cu_q)
         rows = plan.sample_rows()
-        whole = np.array([s.block < 0 for s in plan.local_segments], dtype=bool)
-        segments, local_idx, gathered_full_idx, gathered_of_full, seqused_k, seg_req, whole, *sample = Varlen.of_all(
+        short = np.array([plan.num_new[s.req] - s.end for s in plan.local_segments], dtype=np.int32)
+        segments, local_idx, gathered_full_idx, gathered_of_full, seqused_k, seg_req, short, *sample = Varlen.of_all(
             [seqs.cu_q], device, local, plan.gathered_full_idx(), plan.gathered_of_full,
-            (seqs.seqused_k, torch.int32), seqs.reqs, (whole, torch.bool), rows.full, rows.send, rows.pick)
+            (seqs.seqused_k, torch.int32), seqs.reqs, (short, torch.int32), rows.full, rows.send, rows.pick)
         if seq_lens is not None and len(seqs.reqs):
-            seqused_k = torch.where(whole, seq_lens.index_select(0, seg_req).to(torch.int32), seqused_k)
+            seqused_k = seq_lens.index_select(0, seg_req).to(torch.int32) - short
         return cls(
             local_idx=local_idx,
             gathered_full_idx=gathered_full_idx,
@@ -141,7 +141,7 @@ class VerifiedRows:
     rows: int
     num_reqs: int
     picks: torch.Tensor | None
-    query_start: torch.Tensor
+    query_start: torch.Tensor | None  # None: no verification rows at this step
 
 
 @dataclass(frozen=True)
@@ -228,6 +228,8 @@ class PCPContext:
     def verified(self) -> VerifiedRows:
         """The verification rows at the head of this rank's rows (``PCPPlan.verified_on``)."""
         plan = self.plan
+        if not plan.verify.any():  # (no device copy at a step without drafts)
+            return VerifiedRows(rows=0, num_reqs=0, picks=None, query_start=None)
         mine = plan.verified_on()
         order = np.cumsum(plan.verify) - 1  # each verified request's place among them (vLLM's spec order)
         starts = np.concatenate([[0], np.cumsum(plan.num_new[mine])])
@@ -341,6 +343,7 @@ class PCPContext:
     @cached_property
     def state_passing(self) -> StatePassingIndex:
         plan = self.plan
+        assert not plan.verify.any(), "GDN indices are built on ``gdn``'s plan (no verified requests)"
         segs = plan.local_segments
         starts_from_cache = np.array([s.block <= 0 and plan.num_computed[s.req] > 0 for s in segs], dtype=bool)
         replicated = [j for j, s in enumerate(segs) if s.block < 0]
@@ -362,6 +365,7 @@ class PCPContext:
     @cached_property
     def relay(self) -> RelayIndex:
         plan = self.plan
+        assert not plan.verify.any(), "GDN indices are built on ``gdn``'s plan (no verified requests)"
         segs, offs = plan.local_segments, plan.seg_offsets[plan.rank]
         n_rep = sum(s.block < 0 for s in segs)
         rep_reqs = np.array([s.req for s in segs[:n_rep]], dtype=np.int64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -54,11 +55,14 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         if gdn is not None and gdn.plan.handovers:
             hand_over_states(gdn, self.kv_cache[:2], state_idx)
         mode = ctx.config.gdn_mode
-        if mode == "island":  # vLLM's core on the whole batch: verification rows included
+        if mode == "island":  # vLLM's core on the whole batch: verification rows included (with
+            # decode="spread" a rank that does not own a verifying request then writes over its stale
+            # copy of that request's blocks, which no rank reads before a hand-over sends the owner's)
             return gdn_island(ctx, super()._forward_core, mixed_qkv, b, a, core_attn_out)
         rows = ctx.verified.rows
         if rows:
-            self._verify(ctx, meta, mixed_qkv[:rows], b[:rows], a[:rows], core_attn_out[:rows])
+            self._verify(verification_metadata(ctx, meta), mixed_qkv[:rows], b[:rows], a[:rows],
+                         core_attn_out[:rows])
         if gdn is None:
             return
         mixed_qkv, b, a, core_attn_out = mixed_qkv[rows:], b[rows:], a[rows:], core_attn_out[rows:]
@@ -71,15 +75,15 @@ class PCPGatedDeltaNetAttention(GatedDeltaNetAttention):
         CORES[mode](gdn, VllmGDNKernels, mixed_qkv, b, a, core_attn_out, self.gdn_weights(), conv_state,
                     self.kv_cache[1], state_idx)
 
-    def _verify(self, ctx, meta, mixed_qkv, b, a, core_attn_out) -> None:
-        """vLLM's own core on this rank's verification rows: its metadata of the step's verified
-        requests (their spec state indices, accepted-token counts on the device, query starts), narrowed
-        to the ones this rank computes, as a batch of verification rows alone. Each rank writes the
-        states of the requests it verifies itself: replicated ones as at an unsplit step, owned ones
-        on their owner."""
+    def _verify(self, verification, mixed_qkv, b, a, core_attn_out) -> None:
+        """vLLM's own core on this rank's verification rows, with ``verification`` (vLLM's metadata of
+        the step's verified requests narrowed to the ones this rank computes, as a batch of
+        verification rows alone) in the forward context while it runs. Each rank writes the states of
+        the requests it verifies itself: replicated ones as at an unsplit step, owned ones on their
+        owner."""
         forward_context = get_forward_context()
         whole = forward_context.attn_metadata[self.prefix]
-        forward_context.attn_metadata[self.prefix] = verification_metadata(ctx, meta)
+        forward_context.attn_metadata[self.prefix] = verification
         try:
             super()._forward_core(mixed_qkv, b, a, core_attn_out)
         finally:
@@ -96,10 +100,13 @@ def verification_metadata(ctx, meta):
         indices, accepted = meta.spec_state_indices_tensor, meta.num_accepted_tokens
         if rows.picks is not None:
             indices, accepted = indices.index_select(0, rows.picks), accepted.index_select(0, rows.picks)
+        # vLLM's core only asks whether the mask is set; it is the batch's own: every request verified
+        mask = torch.ones(rows.num_reqs, dtype=torch.bool, device=rows.query_start.device)
         cache[id(meta)] = meta, dataclasses.replace(
             meta, num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0,
             num_spec_decodes=rows.num_reqs, num_spec_decode_tokens=rows.rows, num_actual_tokens=rows.rows,
             has_initial_state=None, spec_query_start_loc=rows.query_start, non_spec_query_start_loc=None,
+            spec_sequence_masks=mask,
             spec_state_indices_tensor=indices, non_spec_state_indices_tensor=None, spec_token_indx=None,
             non_spec_token_indx=None, num_accepted_tokens=accepted, chunk_indices=None, chunk_offsets=None,
             nums_dict=None, batch_ptr=None, token_chunk_offset_ptr=None)
