@@ -36,7 +36,8 @@ def _worker(rank, group, tokens):
     from harness.gdn_unsplit import gdn_unsplit_core
     from harness.layer_inputs import GDN, gdn_inputs
     from qwen36_pcp.layers.context import PCPContext
-    from qwen36_pcp.layers.gdn_cp import VllmGDNKernels, gdn_island, gdn_relay, gdn_state_passing
+    from qwen36_pcp.layers.gdn_cp import gdn_island, gdn_relay, gdn_state_passing
+    from qwen36_pcp.layers.gdn_kernels import VllmGDNKernels
     from qwen36_pcp.plan import PCPConfig, PCPPlan
 
     torch.cuda.set_device(rank)

@@ -72,7 +72,7 @@ def wait_ready(proc: subprocess.Popen, port: int, log_path: Path, timeout: float
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """The server's process group (it was started in a session of its own), SIGINT then SIGKILL."""
+    """The server's process group (it was started with ``start_new_session``), SIGINT then SIGKILL."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:

@@ -19,7 +19,7 @@ BATCH = ([37, 0, 0, 90], [1, 40, 1500, 1100])
 
 
 class ShapeKernels:
-    """The GDN kernels' contract (``gdn_cp.VllmGDNKernels``) with outputs of the right shapes only: the
+    """The GDN kernels' contract (``gdn_kernels.VllmGDNKernels``) with outputs of the right shapes only: the
     collectives a mode issues depend on the plan and the shapes, not on the values."""
 
     @staticmethod
@@ -63,7 +63,8 @@ def _issued(rank, group, mode, layout, owner=None):
     """Each layer kind's calls as this rank's contexts recorded them, with the model's for the same plan."""
     from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.layers.context import PCPContext
-    from qwen36_pcp.layers.gdn_cp import GDNWeights, gdn_island, gdn_relay, gdn_state_passing
+    from qwen36_pcp.layers.gdn_cp import gdn_island, gdn_relay, gdn_state_passing
+    from qwen36_pcp.layers.gdn_kernels import GDNWeights
     from qwen36_pcp.layers.split_attention import gather_kv_for_cache
     from qwen36_pcp.plan import PCPPlan
 

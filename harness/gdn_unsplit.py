@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from qwen36_pcp.layers.device_copy import Varlen
-from qwen36_pcp.layers.gdn_cp import GDNWeights
+from qwen36_pcp.layers.gdn_kernels import GDNWeights
 
 
 def gdn_unsplit_core(kernels, mixed_qkv, b, a, out, w: GDNWeights, conv_state, ssm_state,

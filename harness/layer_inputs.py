@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from qwen36_pcp.layers.gdn_cp import GDNWeights
+from qwen36_pcp.layers.gdn_kernels import GDNWeights
 
 # Qwen3.6-35B-A3B per-layer shapes (tp = 1)
 ATTN = dict(heads=16, kv_heads=2, head_dim=256, block_size=64)

@@ -44,7 +44,8 @@ from .layers.context import PCPContext, running_step
 from .layers.pcp_attention import PCPFlashAttentionImpl
 from .layers.pcp_gdn import PCPGatedDeltaNetAttention
 from .owned_batch import KVStage, OwnedBatch, defer_staged_kv
-from .plan import PCPPlan, spread_decode_step
+from .plan import PCPPlan
+from .plan_records import spread_decode_step
 from .state_blocks import (
     MAX_PAYLOAD_BYTES,
     hand_over_request_states,

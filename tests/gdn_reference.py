@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """fp32 torch GDN kernels for the CPU tests, with the chunk structure of fla's chunked kernels.
 
-Same contracts as ``qwen36_pcp.layers.gdn_cp.VllmGDNKernels``. What makes them a stand-in worth
+Same contracts as ``qwen36_pcp.layers.gdn_kernels.VllmGDNKernels``. What makes them a stand-in worth
 having is the 64-token chunk grid: like vLLM's bundled fla, ``chunk_local`` cuts every sequence of its
 ``cu`` into 64-token chunks from the sequence start and computes, per chunk, the cumulative log decay,
 ``A = beta K K^T`` weighted by the decay, its inverse ``(I + A)^-1`` and the WY factors ``w, u``;
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from qwen36_pcp.config import GDN_CHUNK
 from qwen36_pcp.layers.device_copy import Varlen
-from qwen36_pcp.layers.gdn_cp import GDNWeights
+from qwen36_pcp.layers.gdn_kernels import GDNWeights
 
 
 def chunk_grid(cu_cpu, offset: int = 0) -> list[list[tuple[int, int]]]:

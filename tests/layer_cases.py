@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from qwen36_pcp.layers.gdn_cp import GDNWeights
+from qwen36_pcp.layers.gdn_kernels import GDNWeights
 
 # (num_computed, num_new): fresh prefill, continuation, decode rows, prompts too short to split (a
 # request is split from 64 tokens per block on: 256 tokens at pcp=2, 512 at pcp=4, zigzag)

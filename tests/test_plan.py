@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from qwen36_pcp.config import GDN_CHUNK, PCPConfig
-from qwen36_pcp.plan import PCPPlan, block_bounds, block_owner
+from qwen36_pcp.plan import PCPPlan
+from qwen36_pcp.plan_records import block_bounds, block_owner
 
 
 def random_batches(seed, count, max_new=1200):

@@ -73,7 +73,7 @@ def _metadata(spec_token_order: bool = True):
 
 
 def _weights(case):
-    from qwen36_pcp.layers.gdn_cp import GDNWeights
+    from qwen36_pcp.layers.gdn_kernels import GDNWeights
 
     w = case["conv_weight"]
     return GDNWeights(w.view(D, WIDTH), case["conv_bias"], case["A_log"], case["dt_bias"], HK, DK, DV)

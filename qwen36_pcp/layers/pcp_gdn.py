@@ -19,7 +19,8 @@ from vllm.model_executor.layers.mamba.gdn_linear_attn import GatedDeltaNetAttent
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
 from .context import current_pcp_context
-from .gdn_cp import GDNWeights, VllmGDNKernels, gdn_island, gdn_relay, gdn_state_passing, hand_over_states
+from .gdn_cp import gdn_island, gdn_relay, gdn_state_passing, hand_over_states
+from .gdn_kernels import GDNWeights, VllmGDNKernels
 
 CORES = {"relay": gdn_relay, "state_passing": gdn_state_passing}
 

@@ -12,7 +12,7 @@ import torch
 from harness.layer_inputs import ATTN, GDN, gdn_inputs
 from qwen36_pcp.config import PCPConfig
 from qwen36_pcp.layers.context import PCPContext
-from qwen36_pcp.layers.gdn_cp import VllmGDNKernels
+from qwen36_pcp.layers.gdn_kernels import VllmGDNKernels
 from qwen36_pcp.layers.split_attention import attend_local_flash, gather_kv_for_cache
 from qwen36_pcp.plan import PCPPlan
 from tests.gdn_sweep import case_name, compare, errors, full_core, rank_modes, sweep_batches, sweep_configs

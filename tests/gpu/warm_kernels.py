@@ -31,7 +31,7 @@ def gdn_shape(preset: str) -> dict:
 
 def shard_weights(s: dict, tp: int):
     """Random GDN weights of one TP shard (what the scan kernels read: gates and head counts)."""
-    from qwen36_pcp.layers.gdn_cp import GDNWeights
+    from qwen36_pcp.layers.gdn_kernels import GDNWeights
 
     hv = s["hv"] // tp
     return GDNWeights(conv_weight=None, conv_bias=None,
@@ -41,14 +41,14 @@ def shard_weights(s: dict, tp: int):
 
 def warm_augmented(s: dict) -> None:
     """pcp=2 (tp=1): the augmented scan that the layer warms in its profile run."""
-    from qwen36_pcp.layers.gdn_cp import VllmGDNKernels
+    from qwen36_pcp.layers.gdn_kernels import VllmGDNKernels
 
     VllmGDNKernels.warm_scan(shard_weights(s, 1), s["hv"], augmented=True, device="cuda")
 
 
 def warm_plain(s: dict, tp: int = 2) -> None:
     """tp=2 (pcp=1): vLLM's plain chunk scan at the shard's head count."""
-    from qwen36_pcp.layers.gdn_cp import VllmGDNKernels
+    from qwen36_pcp.layers.gdn_kernels import VllmGDNKernels
 
     VllmGDNKernels.warm_scan(shard_weights(s, tp), s["hv"] // tp, augmented=False, device="cuda")
 
