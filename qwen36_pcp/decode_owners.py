@@ -47,11 +47,6 @@ class DecodeOwners:
         self.owner: dict[str, int] = {}
         self.prefill_end: dict[str, int] = {}  # tokens the latest start from token 0 covers
 
-    def release(self, req_ids: Sequence[str]) -> None:
-        """These requests have no owner any more (every rank computes them now: their states handed over)."""
-        for req_id in req_ids:
-            self.owner.pop(req_id, None)
-
     def step(self, req_ids: Sequence[str], num_computed: np.ndarray, num_new: np.ndarray,
              num_prompt: np.ndarray, requests: Mapping,
              decode_rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

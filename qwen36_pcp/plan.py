@@ -101,10 +101,10 @@ class PCPPlan:
         # the rank holding the primary copy of an unsplit request: its owner, else rank 0
         self.whole_rank = np.maximum(self.owner, 0)
         # the rank whose GDN states of a request every rank needs first (``DecodeOwners``), -1: none
-        handover = self._request_ranks(handover, (self.owner >= 0) | self.verify,
-                                       "handover must name a rank only for requests without an owner that "
-                                       "are not verified")
-        self.handovers = [(int(i), int(handover[i])) for i in np.flatnonzero(handover >= 0)]
+        self.handover = self._request_ranks(handover, (self.owner >= 0) | self.verify,
+                                            "handover must name a rank only for requests without an owner "
+                                            "that are not verified")
+        self.handovers = [(int(i), int(self.handover[i])) for i in np.flatnonzero(self.handover >= 0)]
         self.block_bounds = {
             int(i): block_bounds(int(self.num_new[i]), self.num_blocks) for i in self.split_reqs
         }
@@ -199,14 +199,7 @@ class PCPPlan:
         if not self.verify.any() or not len(keep):
             return None
         return PCPPlan(self.num_computed[keep], self.num_new[keep], self.world_size, self.rank, self.config,
-                       self.owner[keep], self.handover_ranks()[keep])
-
-    def handover_ranks(self) -> np.ndarray:
-        """Per request the rank its GDN states are handed over from (``handovers``), -1: none."""
-        ranks = np.full(self.num_reqs, -1, dtype=np.int64)
-        for req, src in self.handovers:
-            ranks[req] = src
-        return ranks
+                       self.owner[keep], self.handover[keep])
 
     # ------------------------------------------------------------ convenience
     @property

@@ -339,7 +339,7 @@ class PCPModelRunner(GPUModelRunner):
             return self._owned_forward(step, input_ids, positions, intermediate_tensors, inputs_embeds,
                                        **model_kwargs)
         full = input_ids if input_ids is not None else inputs_embeds
-        # with drafts the whole requests' key counts come from vLLM's device lengths (StepTensors.build)
+        # with drafts every segment's key count comes from vLLM's device lengths (StepTensors.build)
         seq_lens = self.seq_lens[: step.plan.num_reqs] if self.speculative_config is not None else None
         ctx = PCPContext(step.plan, self.pcp_group, full.device, num_tokens_padded=full.shape[0], seq_lens=seq_lens)
         idx = ctx.t.local_idx
