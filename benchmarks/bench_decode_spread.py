@@ -76,7 +76,7 @@ CONFIGS = {"pcp1": 1, "pcp2_spread": 2, "pcp4_spread": 4, "pcp1_piecewise": 1, "
            "pcp4_replicated": 4}  # -> ranks
 DEFAULT_CONFIGS = ("pcp1", "pcp2_spread", "pcp4_spread")
 # context -> batch sizes
-SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64), 16384: (1, 4, 16), 32768: (1, 8, 64), 131072: (1, 8, 64)}
+SWEEP = {4096: (1, 2, 4, 8, 16, 32, 64, 128), 16384: (1, 4, 16), 32768: (1, 8, 64, 128), 131072: (1, 8, 64, 128)}
 DEFAULT_CONTEXTS = (4096, 16384)
 # --shared-prefix: every request of a context is one shared prompt of all but its last TAIL tokens, read
 # from vLLM's prefix cache after one prefill of its own
@@ -150,7 +150,8 @@ def measure(model: str, config: str, sweep: dict, path: str, trace_dir: str | No
                             **engine_args(config, drafts),
                             **bench_ttft.profiler_args(trace_dir))
     engine = llm.llm_engine
-    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": layers, "drafts": drafts,
+    fp8 = "quantization_config" in json.loads((Path(model) / "config.json").read_text())
+    out: dict = {"config": config, "shared_prefix": shared_prefix, "layers": layers, "drafts": drafts, "fp8": fp8,
                  "gpu": gpu_query("name") or "?"}
     sp = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
     for context, batches in sweep.items():
@@ -445,7 +446,7 @@ def folder_settings(data: dict, out: str, adding: tuple[int, int] | None = None)
 
 
 def rank_bytes(model: str, drafts: int = 0) -> int:
-    """One rank's GPU memory, estimated: the checkpoint's bf16 weights (experts, mixers, the embedding
+    """One rank's GPU memory, estimated: the checkpoint's weights (experts, mixers, the embedding
     and LM head; with ``drafts`` the MTP head's layer and input projection), the KV cache of
     ``shared_gpu_args`` and ``RANK_ALLOWANCE_BYTES``."""
     t = json.loads((Path(model) / "config.json").read_text())["text_config"]
@@ -459,7 +460,9 @@ def rank_bytes(model: str, drafts: int = 0) -> int:
                      + heads)  # q (and its gate), k, v in; out
     mixers = layers // period * ((period - 1) * gdn + attention)
     mtp = ffn + attention + 2 * h * h if drafts else 0
-    weights = 2 * (layers * ffn + mixers + mtp + 2 * t["vocab_size"] * h)
+    # bytes per parameter of the experts and mixers: 1 in the FP8 layout (its narrow layers left out)
+    width = 1 if json.loads((Path(model) / "config.json").read_text()).get("quantization_config") else 2
+    weights = width * (layers * ffn + mixers + mtp) + 2 * 2 * t["vocab_size"] * h
     return weights + bench_ttft.shared_gpu_args(1)["kv_cache_memory_bytes"] + RANK_ALLOWANCE_BYTES
 
 
@@ -719,6 +722,8 @@ def main():
                              "clearly do not fit are refused before any engine starts (rank_bytes)")
     parser.add_argument("--mtp", action="store_true",
                         help=f"every config with the MTP head drafting {MTP_DRAFTS} tokens (see above)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the block-wise FP8 checkpoint layout (dummy weights): 40 layers at pcp=2 fit one H200")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile a few decode steps (see above)")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "MODEL"), help=argparse.SUPPRESS)
@@ -736,7 +741,7 @@ def main():
     if not args.report_only:
         folder_settings({c: d for c, d in runs(args.out).items() if c not in args.configs}, args.out,
                         (args.layers, MTP_DRAFTS if args.mtp else 0))
-        model = bench_ttft.checkpoint(args.out, layers=args.layers)
+        model = bench_ttft.checkpoint(args.out, layers=args.layers, fp8=args.fp8)
         if (total := gpu_bytes()) is not None:
             check_fits(model, args.configs, total, MTP_DRAFTS if args.mtp else 0)
         for config in args.configs:

@@ -102,14 +102,15 @@ def prompt(n: int):
     return TokensPrompt(prompt_token_ids=[(i * 7919) % 200000 + 10 for i in range(n)])
 
 
-def checkpoint(out: str, layers: int | None = None) -> str:
+def checkpoint(out: str, layers: int | None = None, fp8: bool = False) -> str:
     """Qwen3.6-35B-A3B's config and tokenizer (no weights: the engines load dummy ones); ``layers``:
     its first layers only (whole periods of 3 GDN + 1 attention), so that every rank of a shared-GPU
-    engine holds its weights."""
+    engine holds its weights; ``fp8``: the block-wise FP8 layout of the published FP8 checkpoint (its
+    ``quantization_config``: dummy FP8 weights, half the bytes of bf16's)."""
     from qwen36_pcp.tools.make_checkpoint import make_checkpoint
 
-    name = "qwen3.6-35b-a3b" + (f"-{layers}-layers" if layers else "")
-    path = make_checkpoint(os.path.join(out, name), preset="qwen3.6-35b-a3b")
+    name = "qwen3.6-35b-a3b" + (f"-{layers}-layers" if layers else "") + ("-fp8" if fp8 else "")
+    path = make_checkpoint(os.path.join(out, name), preset="qwen3.6-35b-a3b", fp8=fp8)
     if layers:
         config_path = path / "config.json"
         config = json.loads(config_path.read_text())
