@@ -262,9 +262,9 @@ def plan_host_ms() -> dict:
     import torch
 
     from qwen36_pcp.config import PCPConfig
-    from qwen36_pcp.decode_owners import DecodeOwners
     from qwen36_pcp.layers.context import PCPContext
     from qwen36_pcp.plan import PCPPlan
+    from qwen36_pcp.spread.decode_owners import DecodeOwners
 
     out = {}
     for n in (2, 4, 8):

@@ -111,7 +111,7 @@ def saved_share_of_ttft(row: dict, model: StepModel) -> float:
 
 
 def decode_step(num_reqs: int, world_size: int, reps: int, pcp1_itl_ms: float) -> dict:
-    from qwen36_pcp.runner import rank0_rows
+    from qwen36_pcp.step_rows import rank0_rows
 
     group = StandInGroup(world_size)
     hidden = torch.randn(num_reqs, HIDDEN, dtype=torch.bfloat16, device="cuda")

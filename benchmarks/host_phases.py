@@ -8,7 +8,7 @@ functions in ``PHASES`` are wrapped (a few microseconds per call; a spread decod
 ten more of these calls than pcp=1's, and the turn times the bench reports hold them). In the
 shared GPU's turns a phase's time is the host busy (``harness.shared_gpu.host_busy_s``: the waits for
 the GPU, the collectives' copies and the waits for the other ranks left out); without turns, wall
-time. Phases nest (``execute_model`` holds ``_prepare_inputs``, which holds ``_plan``): each is
+time. Phases nest (``execute_model`` holds ``_prepare_inputs``, which holds ``StepPlanner.plan``): each is
 inclusive, and a label names the class that defines the function, so vLLM's ``_prepare_inputs`` and
 the plugin's override around it are two rows.
 
@@ -32,10 +32,11 @@ PHASES = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
      ("execute_model", "sample_tokens", "_update_states", "_prepare_inputs", "_determine_batch_execution_and_padding",
       "_build_attention_metadata", "_preprocess", "_model_forward", "_sample", "_bookkeeping_sync")),
-    ("qwen36_pcp.runner", "PCPModelRunner",
-     ("execute_model", "_prepare_inputs", "_plan", "_model_forward", "_owned_forward", "_share_filled_state_blocks")),
-    ("qwen36_pcp.runner", None, ("defer_staged_kv",)),
-    ("qwen36_pcp.owned_batch", "OwnedBatch", ("write_heads",)),
+    ("qwen36_pcp.runner_hooks.runner", "PCPModelRunner", ("execute_model", "_prepare_inputs", "_model_forward")),
+    ("qwen36_pcp.runner_hooks.planner", "StepPlanner", ("plan",)),
+    ("qwen36_pcp.spread.runner_part", "SpreadDecode", ("forward", "share_filled_state_blocks")),
+    ("qwen36_pcp.spread.runner_part", None, ("defer_staged_kv",)),
+    ("qwen36_pcp.spread.owned_batch", "OwnedBatch", ("write_heads",)),
     ("qwen36_pcp.layers.context", "PCPContext", ("__init__", "gather_output")),
 )
 

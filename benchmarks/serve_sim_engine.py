@@ -72,7 +72,10 @@ def cpu_platform():
     from vllm import platforms
     from vllm.platforms.cpu import CpuPlatform
 
-    old, new = platforms._current_platform, CpuPlatform()
+    # vLLM's own platform resolved first (it is lazy): a module imported inside the block binds the CPU
+    # platform, which is rebound to ``old`` on the way out; were ``old`` None there, the next block could
+    # not tell those modules from ones that never bound a platform, and they would keep None
+    old, new = platforms.current_platform, CpuPlatform()
 
     def rebind(was, now):
         for name, module in list(sys.modules.items()):

@@ -106,12 +106,26 @@ def from_trace(path: str) -> list[Arrival]:
     --save-result --save-detailed`` result (its requests' measured start times and lengths)."""
     text = Path(path).read_text(encoding="utf-8")
     if text.lstrip().startswith("{") and '"start_times"' in text:
-        result = json.loads(text)
-        t0 = min(result["start_times"])
-        rows = zip(result["start_times"], result["input_lens"], result["output_lens"])
-        return sorted(Arrival(s - t0, int(p), int(o)) for s, p, o in rows if o)
+        return from_bench_result(json.loads(text))
     items = [json.loads(line) for line in text.splitlines() if line.strip()]
     return sorted(Arrival(float(i["time"]), int(i["prompt"]), int(i["output"])) for i in items)
+
+
+def from_bench_result(result: dict) -> list[Arrival]:
+    """The requests ``vllm bench serve --save-result --save-detailed`` sent (vLLM 0.20.2's result keys): each
+    one's measured start (``start_times``, the client's clock, from the first), prompt tokens (``input_lens``:
+    the server's count where it reported one) and output tokens (``output_lens``); a failed request (its
+    ``errors`` entry set, or no output) is left out, as bench serve leaves it out of its metrics."""
+    missing = [k for k in ("start_times", "input_lens", "output_lens") if not isinstance(result.get(k), list)]
+    if missing:
+        raise ValueError(f"not a vllm bench serve result saved with --save-detailed: no {', '.join(missing)}")
+    errors = result.get("errors") or [""] * len(result["start_times"])
+    rows = [(s, p, o) for s, p, o, e in zip(result["start_times"], result["input_lens"], result["output_lens"], errors)
+            if o and not e]
+    if not rows:
+        raise ValueError("the result holds no successful request")
+    t0 = min(result["start_times"])  # the first request sent, failed or not
+    return sorted(Arrival(s - t0, int(p), int(o)) for s, p, o in rows)
 
 
 def write_trace(arrivals: list[Arrival], path: str) -> None:

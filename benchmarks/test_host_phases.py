@@ -41,11 +41,11 @@ def _timed_spread_steps(rank, group, steps_log):
 def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases_it_calls(tmp_path):
     for phases, kinds in run_distributed(_timed_spread_steps, 2, str(tmp_path / "steps")):
         assert kinds == {"owned_full": STEPS}, kinds
-        once = ("PCPModelRunner._prepare_inputs", "GPUModelRunner._prepare_inputs", "PCPModelRunner._plan",
+        once = ("PCPModelRunner._prepare_inputs", "GPUModelRunner._prepare_inputs", "StepPlanner.plan",
                 "OwnedBatch.write_heads", "GPUModelRunner._determine_batch_execution_and_padding",
                 "GPUModelRunner._build_attention_metadata", "PCPModelRunner._model_forward",
-                "PCPModelRunner._owned_forward", "GPUModelRunner._model_forward", "PCPContext.__init__",
-                "runner.defer_staged_kv", "PCPContext.gather_output")
+                "SpreadDecode.forward", "GPUModelRunner._model_forward", "PCPContext.__init__",
+                "runner_part.defer_staged_kv", "PCPContext.gather_output")
         assert {label: phases[label][1] for label in once} == dict.fromkeys(once, STEPS), phases
         assert phases["gc gen1"][1] >= 1, phases
         ms = {label: v[0] for label, v in phases.items()}
@@ -53,7 +53,7 @@ def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases
         # inclusive: the plugin's input preparation holds vLLM's, the plan and the heads; its owned
         # forward holds the model call, the K/V sent from the stage and the gather
         assert ms["PCPModelRunner._prepare_inputs"] >= (
-            ms["GPUModelRunner._prepare_inputs"] + ms["PCPModelRunner._plan"] + ms["OwnedBatch.write_heads"])
-        assert ms["PCPModelRunner._owned_forward"] >= (
-            ms["GPUModelRunner._model_forward"] + ms["runner.defer_staged_kv"] + ms["PCPContext.gather_output"])
-        assert ms["PCPModelRunner._model_forward"] >= ms["PCPModelRunner._owned_forward"]
+            ms["GPUModelRunner._prepare_inputs"] + ms["StepPlanner.plan"] + ms["OwnedBatch.write_heads"])
+        assert ms["SpreadDecode.forward"] >= (
+            ms["GPUModelRunner._model_forward"] + ms["runner_part.defer_staged_kv"] + ms["PCPContext.gather_output"])
+        assert ms["PCPModelRunner._model_forward"] >= ms["SpreadDecode.forward"]

@@ -109,8 +109,8 @@ def _spread_decode_step(rank, group, layers=3):
     from harness.runner_stand_in import exchange_slots, pcp_attention_layers
     from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.layers.context import PCPContext
-    from qwen36_pcp.owned_batch import KVStage, defer_staged_kv
     from qwen36_pcp.plan import PCPPlan
+    from qwen36_pcp.spread.owned_batch import KVStage, defer_staged_kv
 
     s, reqs = SHAPE, 5
     plan = PCPPlan([40, 9, 3, 70, 12], [1] * reqs, group.world_size, rank, PCPConfig(decode="spread"),

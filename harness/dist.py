@@ -103,7 +103,7 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 # are forked from one server process that has imported vLLM's process-group module and the plugin's
 # runner (with its layers and vLLM's model runner: ~4 more CPU seconds a rank would pay) once; it does
 # nothing else, so every rank starts clean. NCCL ranks are spawned (CUDA does not survive a fork).
-_PRELOAD = ["vllm.config", "vllm.distributed.parallel_state", "qwen36_pcp.runner", "harness.shared_gpu",
+_PRELOAD = ["vllm.config", "vllm.distributed.parallel_state", "qwen36_pcp.runner_hooks", "harness.shared_gpu",
             "harness.dist"]
 
 

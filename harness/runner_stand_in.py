@@ -49,18 +49,15 @@ def stand_in_runner(group, config, model, dispatched: list):
     ``force_eager`` noted in ``dispatched``)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from qwen36_pcp.decode_owners import DecodeOwners
-    from qwen36_pcp.runner import PCPModelRunner
+    from qwen36_pcp.runner_hooks import PCPModelRunner
 
     GPUModelRunner._prepare_inputs = lambda self, so, n: (torch.from_numpy(np.cumsum(n) - 1).to(torch.int32), None)
     GPUModelRunner._determine_batch_execution_and_padding = (
         lambda self, *a, force_eager=False, **kw: dispatched.append(force_eager))
     runner = object.__new__(PCPModelRunner)
-    runner.pcp_config, runner.pcp_group, runner.pcp_step = config, group, None
-    runner.decode_owners = DecodeOwners(group.world_size) if config.decode == "spread" else None
-    runner._owned_batch = None
     runner.speculative_config, runner.num_prompt_logprobs, runner.uniform_decode_query_len = None, {}, 1
     runner.model, runner.device = model, torch.device("cpu")
+    runner.build_parts(config, group)
     return runner
 
 
@@ -125,8 +122,8 @@ def spread_runner(group, rank, seen, calls, cache_blocks: int = 16):
     runner.model_config, runner.dtype = SimpleNamespace(get_hidden_size=lambda: HIDDEN), torch.float64
     runner.max_num_reqs = 16
     layers = pcp_attention_layers([torch.zeros(2, cache_blocks, 8, 1, HIDDEN, dtype=torch.float64) for _ in range(2)])
-    runner._attention_groups = [(0, layers)]
-    runner._attach_kv_stage(layers)  # (``load_model``'s)
+    runner.spread.attention_groups = [(0, layers)]
+    runner.spread.attach_kv_stage(layers)  # (``load_model``'s)
 
     def prepare(self, so, num_new):
         reqs, computed = len(num_new), self.input_batch.num_computed_tokens_cpu[: len(num_new)]
@@ -264,7 +261,7 @@ def pcp_attention_layers(caches: list[torch.Tensor], writer=None) -> list:
 def exchange_slots(plan, slot_mapping):
     """``owned_batch.kv_exchange_slots`` of a spread decode step's plan, built on the host as
     ``OwnedBatch.write_heads`` builds it."""
-    from qwen36_pcp.owned_batch import kv_exchange_rows, kv_exchange_slots
+    from qwen36_pcp.spread.owned_batch import kv_exchange_rows, kv_exchange_slots
 
     rows = kv_exchange_rows(plan)
     return kv_exchange_slots(slot_mapping, torch.from_numpy(rows.clip(min=0)), torch.from_numpy(rows >= 0))

@@ -338,10 +338,12 @@ def record_step_kinds(worker) -> None:
         if (handover >= 0).any():
             with open(f"{path}.{worker.rank}", "a") as f:
                 f.write("handover\n")
-        return type(runner)._hand_over_states(runner, handover)
+        return type(spread).hand_over_states(spread, handover)
 
     runner._model_forward = recorded
-    runner._hand_over_states = handed_over
+    spread = getattr(runner, "spread", None)
+    if spread is not None:
+        spread.hand_over_states = handed_over
 
 
 def _step_tokens(runner, plan) -> str:

@@ -16,7 +16,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from .config import uses_pcp
 from .deterministic_gdn import pin_gdn_configs, pin_gdn_configs_wanted
-from .runner import PCPModelRunner
+from .runner_hooks import PCPModelRunner
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from qwen36_pcp.decode_owners import DecodeOwners
+from qwen36_pcp.spread.decode_owners import DecodeOwners
 
 
 def _step(owners, batch, live=None, handover=None):

@@ -331,7 +331,7 @@ def _block_tables(rank, world_size, port):
     from vllm.v1.worker import block_table as bt
     from vllm.v1.worker import gpu_model_runner as gmr
 
-    from qwen36_pcp.runner import PCPModelRunner, pcp1_block_tables
+    from qwen36_pcp.runner_hooks.block_tables import pcp1_block_tables, replicate_block_tables
 
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
@@ -347,9 +347,7 @@ def _block_tables(rank, world_size, port):
     with pcp1_block_tables():
         whole = table()
     restored = (bt.get_total_cp_world_size, gmr.get_total_cp_world_size) == originals
-    runner = object.__new__(PCPModelRunner)
-    runner.input_batch = SimpleNamespace(block_table=whole)
-    runner._replicate_block_tables()
+    replicate_block_tables(SimpleNamespace(block_table=whole))
     t = whole.block_tables[0]
     return {"sharded": sharded.block_tables[0].max_num_blocks_per_req, "whole": t.max_num_blocks_per_req,
             "restored": restored, "pcp_fields": (t.pcp_world_size, t.pcp_rank),

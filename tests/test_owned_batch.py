@@ -34,7 +34,7 @@ def write_kv(k, v, cache, slots):
 def _step(rank, group, layers=3, groups=((0, 1, 2),)):
     """``groups``: the stage indices of each KV-cache group's layers (a group's layers kept apart in the
     stage: ``(0, 2), (1,)``)."""
-    from qwen36_pcp.owned_batch import KVStage, defer_staged_kv
+    from qwen36_pcp.spread.owned_batch import KVStage, defer_staged_kv
 
     num_computed, num_new = [40, 9, 3, 70, 12], [1] * 5
     plan = PCPPlan(num_computed, num_new, group.world_size, rank, PCPConfig(decode="spread"),
@@ -110,7 +110,7 @@ def test_exchange_slots_are_the_gathered_slots_of_each_rank_and_of_the_others():
 
 
 def test_the_stage_keeps_a_steps_first_rows_and_refuses_what_it_cannot_hold():
-    from qwen36_pcp.owned_batch import KVStage
+    from qwen36_pcp.spread.owned_batch import KVStage
 
     layers = pcp_attention_layers([torch.zeros(2, 4, BS, KVH, D) for _ in range(2)])
     stage = KVStage(layers, 3, torch.float32, "cpu")

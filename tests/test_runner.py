@@ -58,12 +58,13 @@ def _steps(rank, group):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.runner_hooks.warm_up import warm_pcp_collectives
 
     dispatched, seen = [], []
     runner = stand_in_runner(group, PCPConfig(min_split_tokens=512), model_rows(rank, seen), dispatched)
     # each rank's drafter proposes its own tokens (as if its kernels had rounded differently)
     GPUModelRunner.propose_draft_token_ids = lambda self, *a, **kw: torch.full((3, 2), 100 + rank)
-    runner._warm_pcp_collectives()  # every rank in chain order: returns (no rank waits for ever)
+    warm_pcp_collectives(group, runner.pcp_config, runner.device)  # every rank in chain order: returns
     results = {}
     # decodes first (vLLM's order), a continuing prompt, a fresh one; 4 rows of padding
     # MTP on: a step of prompt tokens alone, one with a request's drafts (verification rows), one
@@ -279,11 +280,11 @@ def _spread_steps(rank, group):
     steps: its graph of 8 rows is larger than the batch)."""
     from vllm.config import CUDAGraphMode
 
-    from qwen36_pcp.decode_owners import DecodeOwners
+    from qwen36_pcp.spread.decode_owners import DecodeOwners
 
     seen, calls, results = [], {}, {}
     runner = spread_runner(group, rank, seen, calls)
-    layers = runner._attention_groups[0][1]
+    layers = runner.spread.attention_groups[0][1]
     decode = (["a", "b", "c", "d", "e"], [17, 40, 3000, 700, 9], [1] * 5, [17, 40, 3000, 700, 9])
     decode3 = (["f", "g", "h"], [5, 6, 7], [1] * 3, [5, 6, 7])
     for name, req_ids, num_computed, num_new, num_prompt in (
@@ -294,9 +295,9 @@ def _spread_steps(rank, group):
             ("handover", ["a", "b"], [19, 41], [3, 1], [22, 40]), ("decode_lopsided", *decode)):
         cuda_graphs(runner, CUDAGraphMode.NONE if name == "decode_eager" else CUDAGraphMode.FULL_AND_PIECEWISE)
         if name in ("decode3", "decode_eager", "decode_past_buffers", "decode_lopsided"):
-            runner.decode_owners = DecodeOwners(group.world_size)
+            runner.spread.owners = DecodeOwners(group.world_size)
         if name == "decode_lopsided":
-            runner.decode_owners.owner.update({r: 0 for r in req_ids})
+            runner.spread.owners.owner.update({r: 0 for r in req_ids})
         # the padded batch (4 rows at pcp=2) past the request buffers: eager at its own size
         runner.max_num_reqs = 3 if name == "decode_past_buffers" else 16
         num_new = np.array(num_new, dtype=np.int32)
@@ -309,7 +310,7 @@ def _spread_steps(rank, group):
         align = name in ("decode", "mixed")
         runner.cache_config = SimpleNamespace(mamba_cache_mode="align" if align else "none")
         states = _states(rank)
-        runner._state_groups = ([1], STATE_BLOCK, [[SimpleNamespace(kv_cache=tuple(states))]])
+        runner.spread.state_groups = ([1], STATE_BLOCK, [[SimpleNamespace(kv_cache=tuple(states))]])
         for j, r in enumerate(req_ids):
             runner.requests[r].block_ids = ([], list(range(j * 4000, j * 4000 + 2000)))
         results[name] = _run_spread_step(runner, layers, seen, calls, states, num_computed, num_new)
@@ -354,7 +355,7 @@ def _one_batch_decoding_on(rank, group):
         seen, calls = [], {}
         runner = spread_runner(group, rank, seen, calls)
         cuda_graphs(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
-        layers = runner._attention_groups[0][1]
+        layers = runner.spread.attention_groups[0][1]
         prepare = GPUModelRunner._prepare_inputs  # the stand-in's
         steps = []
         for step in range(3):
@@ -364,7 +365,7 @@ def _one_batch_decoding_on(rank, group):
                 return rows
             GPUModelRunner._prepare_inputs = moved
             if not reuse:
-                runner._owned_batch = None
+                runner.spread.latest = None
             req_ids, computed = list("abcde"), np.array([17, 40, 3000, 700, 9]) + step
             runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=computed,
                                                  num_prompt_tokens=np.array([17, 40, 3000, 700, 9]),
@@ -400,8 +401,8 @@ def _verification_steps(rank, group):
     runner = spread_runner(group, rank, seen, calls, cache_blocks=32)
     runner.speculative_config, runner.uniform_decode_query_len = SimpleNamespace(num_speculative_tokens=3), 4
     runner.attn_groups, runner.uses_mrope = [["attention"], ["gdn"]], False
-    layers = runner._attention_groups[0][1]
-    runner._attach_kv_stage(layers)  # (``load_model``'s: rows for 1 + K per request)
+    layers = runner.spread.attention_groups[0][1]
+    runner.spread.attach_kv_stage(layers)  # (``load_model``'s: rows for 1 + K per request)
     cpu = torch.device("cpu")
     runner.num_accepted_tokens = CpuGpuBuffer(16, dtype=torch.int32, device=cpu, pin_memory=False)
     runner.num_decode_draft_tokens = CpuGpuBuffer(16, dtype=torch.int32, device=cpu, pin_memory=False)
@@ -436,7 +437,7 @@ def _verification_steps(rank, group):
              ("verify_recompute", verify[0], [29, 52, 3008, 708, 17], *verify[2:]))
     for name, req_ids, num_computed, num_new, num_prompt in steps:
         if name == "verify_recompute":
-            runner.decode_owners.prefill_end["e"] = 10 ** 6
+            runner.spread.owners.prefill_end["e"] = 10 ** 6
         num_new = np.array(num_new, dtype=np.int32)
         runner.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(num_computed),
                                              num_prompt_tokens=np.array(num_prompt), block_table=BlockTables(),
@@ -445,10 +446,10 @@ def _verification_steps(rank, group):
                            for r, n in zip("abcdep", [17, 40, 3000, 700, 9, 600])}
         runner.cache_config = SimpleNamespace(mamba_cache_mode="none")
         states = _states(rank)
-        runner._state_groups = ([1], STATE_BLOCK, [[SimpleNamespace(kv_cache=tuple(states))]])
+        runner.spread.state_groups = ([1], STATE_BLOCK, [[SimpleNamespace(kv_cache=tuple(states))]])
         drafts = {r: [-1] * 3 for r in req_ids if r != "p"}
         result = _run_spread_step(runner, layers, seen, calls, states, num_computed, num_new, drafts)
-        result.update(owned_id=id(result["owned"]), owners_after=dict(runner.decode_owners.owner),
+        result.update(owned_id=id(result["owned"]), owners_after=dict(runner.spread.owners.owner),
                       restored=all(torch.equal(a, b) for a, b in zip(buffers(runner), calls["whole"])))
         results[name] = result
     GPUModelRunner._prepare_inputs = prepare
@@ -799,11 +800,11 @@ def test_the_memory_profile_holds_a_state_broadcast_where_spread_sends_states(mo
     blocks and packed payload): the bound, or one block column of the model's GDN layers where that is
     larger; otherwise nothing beyond the split steps' calls."""
     from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    import qwen36_pcp.runner as runner_module
+    import qwen36_pcp.spread.runner_part as spread_module
     from qwen36_pcp.config import PCPConfig
-    from qwen36_pcp.decode_owners import DecodeOwners
-    from qwen36_pcp.runner import PCPModelRunner
+    from qwen36_pcp.runner_hooks import PCPModelRunner
 
     class StateLayer(torch.nn.Module, MambaBase):  # a GDN layer's states: a bf16 conv window, an fp32 SSM state
         mamba_type = "gdn_attention"
@@ -818,7 +819,8 @@ def test_the_memory_profile_holds_a_state_broadcast_where_spread_sends_states(mo
         def get_state_dtype(self):
             return torch.bfloat16, torch.float32
 
-    monkeypatch.setattr(runner_module, "MAX_PAYLOAD_BYTES", 1000)
+    monkeypatch.setattr(spread_module, "MAX_PAYLOAD_BYTES", 1000)
+    monkeypatch.setattr(GPUModelRunner, "profile_run", lambda self: None)  # vLLM's part: its dummy runs
     zeros = torch.zeros
     # a column of 2 x (40 + 4 * ssm) bytes: 480 (the bound is larger), 1600 (one column is)
     for ssm, largest in ((50, 1000), (190, 1600)):
@@ -826,14 +828,14 @@ def test_the_memory_profile_holds_a_state_broadcast_where_spread_sends_states(mo
         group = SimpleNamespace(world_size=2, rank_in_group=0, all_gather=lambda x, dim: x,
                                 send=lambda x, dst: None, recv=lambda shape, dtype, src: None,
                                 broadcast=lambda x, src: sizes.append(x.numel()) or x)
-        monkeypatch.setattr(runner_module.torch, "zeros", lambda *a, **kw: peak.append(a[0]) or zeros(*a, **kw))
+        monkeypatch.setattr(torch, "zeros", lambda *a, **kw: peak.append(a[0]) or zeros(*a, **kw))
         runner = object.__new__(PCPModelRunner)
-        runner.pcp_group, runner.pcp_config, runner.device = group, PCPConfig(decode=decode), torch.device("cpu")
-        runner.decode_owners = DecodeOwners(2) if decode == "spread" else None
+        runner.device = torch.device("cpu")
         runner.speculative_config = SimpleNamespace() if mtp else None
         runner.cache_config = SimpleNamespace(mamba_cache_mode=mode)
         runner.model = torch.nn.Sequential(StateLayer(ssm), torch.nn.Linear(1, 1), StateLayer(ssm))
-        runner._warm_pcp_collectives()
+        runner.build_parts(PCPConfig(decode=decode), group)
+        runner.profile_run()
         assert sizes == ([1, largest] if held else [1]) and (2 * largest in peak) == held
 
 
@@ -843,7 +845,8 @@ def test_a_spread_step_dispatched_at_another_size_raises(monkeypatch):
     plan's), the step raises instead of running a batch of stale rows."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from qwen36_pcp.runner import PCPModelRunner
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.runner_hooks import PCPModelRunner
 
     asked = []
 
@@ -853,6 +856,7 @@ def test_a_spread_step_dispatched_at_another_size_raises(monkeypatch):
 
     monkeypatch.setattr(GPUModelRunner, "_determine_batch_execution_and_padding", vllm_dispatch)
     runner = object.__new__(PCPModelRunner)
+    runner.build_parts(PCPConfig(decode="spread"), SimpleNamespace(world_size=2, rank_in_group=0))
     runner.pcp_step = SimpleNamespace(owned=SimpleNamespace(num_rows=4, eager=False, query_len=1), plan=None)
     whole = dict(num_tokens=9, num_reqs=9, num_scheduled_tokens_np=np.ones(9, dtype=np.int32),
                  max_num_scheduled_tokens=1, use_cascade_attn=False)
@@ -894,10 +898,11 @@ def test_load_model_gives_the_attention_layers_their_kv_stage(monkeypatch, decod
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    import qwen36_pcp.runner as runner_module
-    from qwen36_pcp.decode_owners import DecodeOwners
+    import qwen36_pcp.runner_hooks.runner as runner_module
+    import qwen36_pcp.spread.runner_part as spread_module
+    from qwen36_pcp.config import PCPConfig
     from qwen36_pcp.layers.pcp_attention import PCPFlashAttentionImpl
-    from qwen36_pcp.runner import PCPModelRunner
+    from qwen36_pcp.runner_hooks import PCPModelRunner
 
     class StubAttention(torch.nn.Module):
         def __init__(self):
@@ -905,12 +910,12 @@ def test_load_model_gives_the_attention_layers_their_kv_stage(monkeypatch, decod
             self.impl = object.__new__(PCPFlashAttentionImpl)
             self.impl.num_kv_heads, self.impl.head_size = 2, 8
 
-    monkeypatch.setattr(runner_module, "Attention", StubAttention)
+    monkeypatch.setattr(spread_module, "Attention", StubAttention)
     monkeypatch.setattr(runner_module, "pcp_model_build", lambda config: contextlib.nullcontext({}))
     monkeypatch.setattr(GPUModelRunner, "load_model", lambda self, *a, **kw: setattr(
         self, "model", torch.nn.Sequential(StubAttention(), torch.nn.Linear(1, 1), StubAttention())))
     runner = object.__new__(PCPModelRunner)
-    runner.decode_owners = DecodeOwners(2) if decode == "spread" else None
+    runner.build_parts(PCPConfig(decode=decode), SimpleNamespace(world_size=2, rank_in_group=0))
     runner.vllm_config, runner.max_num_reqs, runner.dtype, runner.device = None, 4, torch.float32, torch.device("cpu")
     runner.uniform_decode_query_len = 3  # MTP with K = 2: 3 verification rows per request
     runner.load_model()
@@ -918,8 +923,8 @@ def test_load_model_gives_the_attention_layers_their_kv_stage(monkeypatch, decod
     if decode == "replicated":
         assert stages == [None, None]
         return
-    assert [index for _, index in stages] == [0, 1] and stages[0][0] is stages[1][0] is runner._kv_stage
-    assert runner._kv_stage.rows.shape == (4 * 3, 2, 2, 2, 8)
+    assert [index for _, index in stages] == [0, 1] and stages[0][0] is stages[1][0] is runner.spread.kv_stage
+    assert runner.spread.kv_stage.rows.shape == (4 * 3, 2, 2, 2, 8)
 
 
 @pytest.mark.parametrize("unpadded", [False, True])
@@ -927,11 +932,12 @@ def test_the_drafter_runs_whole_where_vllm_drops_rejected_rows_from_its_first_pa
     """vLLM's unpadded drafter batch (``disable_padded_drafter_batch``) runs its first pass over the
     accepted rows only, not the plan's rows: that first pass is not split, and every row is gathered."""
     from qwen36_pcp.config import PCPConfig
-    from qwen36_pcp.runner import PCPModelRunner
+    from qwen36_pcp.runner_hooks import PCPModelRunner
 
     runner = object.__new__(PCPModelRunner)
-    runner.pcp_config, runner.num_prompt_logprobs = PCPConfig(), {}
+    runner.build_parts(PCPConfig(), SimpleNamespace(world_size=2, rank_in_group=0))
+    runner.num_prompt_logprobs = {}
     runner.speculative_config = SimpleNamespace(method="mtp", disable_padded_drafter_batch=unpadded)
     runner.drafter = SimpleNamespace(needs_extra_input_slots=False)
-    split = runner._split_drafter_enabled()
-    assert split is (not unpadded) and runner._reads_every_row(split) is unpadded
+    split = runner.drafter_part.split_enabled()
+    assert split is (not unpadded) and runner.drafter_part.reads_every_row(split) is unpadded

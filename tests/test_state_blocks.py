@@ -42,7 +42,7 @@ def _case(world_size):
 
 def _step(rank, group):
     """The same step twice on fresh caches: payloads as large as need be, and of one block each."""
-    from qwen36_pcp.state_blocks import share_completed_state_blocks
+    from qwen36_pcp.spread.state_blocks import share_completed_state_blocks
 
     owner, num_tokens = _case(group.world_size)
     out = []
@@ -73,7 +73,7 @@ def test_filled_blocks_hold_their_owners_states_on_every_rank(world_size):
 
 
 def test_no_completed_block_no_collective():
-    from qwen36_pcp.state_blocks import completed_blocks, share_completed_state_blocks
+    from qwen36_pcp.spread.state_blocks import completed_blocks, share_completed_state_blocks
 
     assert completed_blocks([0, -1, 1], [BS, 2 * BS, BS + 3], BS).tolist() == [0]
     assert share_completed_state_blocks(None, np.array([0, -1]), np.array([BS + 1, BS]), BS, _block_ids,
@@ -83,7 +83,7 @@ def test_no_completed_block_no_collective():
 def _hand_over(rank, group):
     """Requests 1 and 3 handed over from the last rank and from rank 0, request 2 not; payloads as large
     as need be, and of one request each."""
-    from qwen36_pcp.state_blocks import hand_over_request_states
+    from qwen36_pcp.spread.state_blocks import hand_over_request_states
 
     handover = np.array([-1, group.world_size - 1, -1, 0])
     out = []
@@ -112,6 +112,6 @@ def test_a_hand_over_sends_every_block_of_the_request_from_its_owner(world_size)
 
 
 def _no_hand_over(rank, group):
-    from qwen36_pcp.state_blocks import hand_over_request_states
+    from qwen36_pcp.spread.state_blocks import hand_over_request_states
 
     return hand_over_request_states(group, np.array([-1, -1]), _block_ids, _caches(rank))

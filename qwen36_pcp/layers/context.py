@@ -4,9 +4,12 @@
 It holds the host plan, the step's device index tensors (built once per step from the plan: the
 step's below, the GDN modes' in ``gdn_index``) and the PCP process group (vLLM's GroupCoordinator, the object
 ``vllm.distributed.get_pcp_group()`` returns). All PCP communication of a split step goes through
-the four collectives here (``all_gather``, ``broadcast``, ``send``, ``recv``), so what a step sends is
-counted in one place: ``collectives`` lists each call with its payload, ``bytes_sent`` sums what this
-rank sent.
+the four collectives here (``all_gather``, ``broadcast``, ``send``, ``recv``), so what a split step
+sends is counted in one place: ``collectives`` lists each call with its payload, ``bytes_sent`` sums
+what this rank sent. Not counted here, because they run outside a split step's context: an unsplit
+step's sampled rows taken from rank 0 (``step_rows.rank0_rows``), the drafter's drafts broadcast
+(``runner_hooks.drafter``), the vision tower's gather of each rank's frames (``vision_split``), spread
+decode's state-block broadcasts (``spread.state_blocks``) and the collectives' warm-up.
 """
 
 from __future__ import annotations

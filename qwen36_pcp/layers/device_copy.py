@@ -23,7 +23,9 @@ def to_device_all(device: torch.device | str, *arrays) -> list[torch.Tensor]:
     whatever its size, and a step has several indices. The arrays are packed with numpy, and each
     result is at most two tensor calls (a slice and its dtype), because every tensor call is host
     time a step pays. Each item is an array (sent as int64) or ``(array, dtype)``; the results are
-    views of one device buffer, each starting 16-byte aligned."""
+    views of one device buffer, each starting 16-byte aligned. The pinned buffer comes from PyTorch's
+    caching host allocator, which hands a freed block out again once the copies that read it have
+    completed: no page-locking per call, and no buffer reused while a copy still reads it."""
     hosts = [np.ascontiguousarray(a, dtype=_NUMPY_DTYPES[dtype])
              for a, dtype in (item if isinstance(item, tuple) else (item, torch.int64) for item in arrays)]
     starts, total = [], 0

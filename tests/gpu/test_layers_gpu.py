@@ -104,7 +104,7 @@ def test_kv_stage_is_kept_by_the_cache_write_inside_a_cuda_graph():
     from vllm.v1.attention.backend import AttentionType
 
     from qwen36_pcp.layers.pcp_attention import PCPFlashAttentionImpl
-    from qwen36_pcp.owned_batch import KVStage
+    from qwen36_pcp.spread.owned_batch import KVStage
 
     kvh, d, bs, blocks, rows = 2, 256, 16, 8, 8
     impl = object.__new__(PCPFlashAttentionImpl)

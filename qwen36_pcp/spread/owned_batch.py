@@ -33,9 +33,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .layers.context import DeferredKV, PCPContext, StepTensors
-from .layers.device_copy import to_device_all
-from .plan import PCPPlan
+from ..layers.context import DeferredKV, PCPContext, StepTensors
+from ..layers.device_copy import to_device_all
+from ..plan import PCPPlan
 
 
 @dataclass

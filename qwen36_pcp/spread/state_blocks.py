@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .layers.device_copy import to_device_all
+from ..layers.device_copy import to_device_all
 
 MAX_PAYLOAD_BYTES = 128 << 20
 
