@@ -6,9 +6,10 @@
 One server at vLLM's defaults and one offline engine with the same settings (the server's default
 step budget too: ``LLM`` defaults to a larger one), tiny checkpoint, greedy:
 - load: 64 concurrent streaming completions of 100 to 100000 tokens all finish with their tokens,
-  no NaN/Inf. Their answers are compared with the offline engine's and reported, not judged: vLLM's
-  kernels are not batch-invariant, and the server batches concurrent requests as they arrive, so the
-  two part by bf16 noise that says nothing about PCP (one run kept 63 of 64 within vLLM's rule);
+  no NaN/Inf, and all but one in 16 within vLLM's rule of the offline engine's answers: vLLM's kernels
+  are not batch-invariant, and the server batches concurrent requests as they arrive, so a stream may
+  part from its offline answer by bf16 noise that says nothing about PCP (runs kept 63 and 64 of 64);
+  a PCP error (a wrong row, a stale state) moves every long prompt's answer;
 - the same answers: prompts of 100 to 100000 tokens sent one at a time, each alone in the server and
   alone in the offline engine (the same steps on both sides), are the offline answers bit for bit
   (tokens and top-5 logprobs);
@@ -223,6 +224,9 @@ def test_server_with_mtp_under_load_and_faults(engine_pool):
     assert counters.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, counters
 
 
+LOAD_OUTSIDE_RULE_PER = 16  # under load at most one stream in this many may leave vLLM's rule
+
+
 def _judge(engine_pool, v: Variant) -> dict:
     served = e2e.result(engine_pool, f"serve_faults_{v.name}")
     offline_runs = e2e.result(engine_pool, f"serve_faults_offline_{v.name}")
@@ -236,6 +240,7 @@ def _judge(engine_pool, v: Variant) -> dict:
     print(f"[serve faults {v.name}] {n} concurrent streams vs offline (batched differently): {within} of {n} "
           f"within vLLM's rule, max|dlogprob|={load['max_logprob_diff']:.4g} nonfinite={load['nonfinite']}")
     assert load["nonfinite"] == 0, load
+    assert within >= n - n // LOAD_OUTSIDE_RULE_PER, (within, n)  # (batching's bf16 noise, see above)
     alone_offline = e2e.outputs(offline_runs, range(1, 1 + len(v.alone)))
     same = [o["token_ids"] == s["token_ids"] and o["logprobs"] == s["logprobs"]
             for o, s in zip(alone_offline, served["alone"])]
