@@ -72,6 +72,10 @@ def error_cells(measured: dict, predicted: dict) -> dict:
     return cells
 
 
+def _ms(v) -> str:
+    return f"{v:>9.1f}" if v is not None else f"{'-':>9}"
+
+
 def _error(e) -> str:
     return f"{e:>+6.0%}" if e is not None else f"{'-':>6}"
 
@@ -85,7 +89,7 @@ def error_table(runs: dict, title: str) -> list[str]:
     for rate, run in sorted(runs.items(), key=lambda kv: float(kv[0])):
         cells = [run["cells"][f"{key}_p{p}_ms"] for key, _ in METRICS for p in PERCENTILES]
         lines.append(f"{float(rate):>6g} {run['requests']:>5} " + " ".join(
-            f"{c['measured']:>8.1f} {c['predicted']:>9.1f} {_error(c['error'])}" for c in cells))
+            f"{_ms(c['measured'])} {_ms(c['predicted'])} {_error(c['error'])}" for c in cells))
     worst = []
     for key, label in METRICS:
         for p in PERCENTILES:
@@ -100,7 +104,8 @@ def error_table(runs: dict, title: str) -> list[str]:
 
 
 def plot_errors(runs: dict, path: str, title: str) -> None:
-    """Measured (solid) and predicted (dashed) TTFT, ITL and TPOT p50/p99 against the request rate."""
+    """Measured (solid, filled) and predicted (dashed, hollow) TTFT, ITL and TPOT p50/p99 against the request
+    rate (log axes)."""
     from benchmarks.plot import save_figure
 
     rates = sorted(runs, key=float)
@@ -113,10 +118,12 @@ def plot_errors(runs: dict, path: str, title: str) -> None:
             for p, marker in zip(PERCENTILES, "os"):
                 cells = [runs[r]["cells"][f"{key}_p{p}_ms"] for r in rates]
                 x = [float(r) for r in rates]
-                ax.plot(x, [c["measured"] for c in cells], marker=marker, color=colors(i),
+                ax.plot(x, [math.nan if c["measured"] is None else c["measured"] for c in cells], marker=marker,
+                        color=colors(i),
                         label=f"{label} p{p} measured")
                 ax.plot(x, [c["predicted"] for c in cells], marker=marker, color=colors(i), linestyle="--",
-                        label=f"{label} p{p} predicted")
+                        markerfacecolor="none", label=f"{label} p{p} predicted")
+        ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("request rate (requests/s)")
         ax.set_ylabel("ms")
@@ -192,7 +199,10 @@ def mix_table(comparison: dict, title: str) -> list[str]:
     lines = [title, f"{'':<22} {'engine':>10} {'simulator':>10}  within tolerance"]
     for key, r in comparison["rows"].items():
         tol = TOLERANCE.get(key)
-        how = "" if tol is None else ("yes" if r["ok"] else "NO") + f" (|diff| <= max({tol[1]}, {tol[0]:.0%}))"
+        how = ""
+        if tol is not None:
+            bound = f"{tol[1] * 100:g} points" if key.endswith("share") else f"max({tol[1]}, {tol[0]:.0%} of it)"
+            how = ("yes" if r["ok"] else "NO") + f" (|engine - simulator| <= {bound})"
         fmt = (lambda v: "-" if v is None else f"{v:.1%}") if key.endswith("share") else str
         lines.append(f"{key:<22} {fmt(r['engine']):>10} {fmt(r['sim']):>10}  {how}")
     d = comparison["first_difference"]
@@ -237,6 +247,33 @@ def plot_mix(engine_steps: list[dict], sim_steps: list[dict], path: str, title: 
 
 
 # --------------------------------------------------------------------------------- the simulator's steps
+def step_record(prompts: list[tuple[int, int]], pcp: int) -> dict:
+    """A step of the simulator as ``prompt_steps`` reads the engine's record of it: ``prompts``, per request
+    computing prompt tokens, (its new tokens, its prompt's length); a request is split as the plugin's plan
+    splits it (``predict_ttft.splits``: the default options' threshold)."""
+    from benchmarks.predict_ttft import splits
+
+    split = [splits(n, pcp) for n, _ in prompts]
+    long = [length >= LONG_PROMPT for _, length in prompts]
+    return {"prompt": sum(n for n, _ in prompts), "split": sum(n for (n, _), s in zip(prompts, split) if s),
+            "split_step": any(split), "long": sum(n for (n, _), g in zip(prompts, long) if g),
+            "long_split": sum(n for (n, _), s, g in zip(prompts, split, long) if s and g)}
+
+
+def replica(opt, pcp: int, max_model_len: int):
+    """One simulated engine of ``pcp`` ranks (``serve_sim_engine.Replica``) with ``opt``'s settings (a
+    ``serve_sim.Options``; its ``kv_bytes`` given); with the step-time model and its config."""
+    from benchmarks import serve_sim
+    from benchmarks.predict_ttft import Rows
+    from benchmarks.serve_sim_engine import EngineShape, Replica
+
+    shape = EngineShape(tp=1, budget=opt.budget, max_num_seqs=opt.max_num_seqs, max_model_len=max_model_len,
+                        kv_bytes=opt.kv_bytes, mtp=opt.mtp, prefix_caching=opt.prefix_caching,
+                        async_scheduling=opt.async_scheduling, layers=opt.layers)
+    model, cfg = serve_sim.step_model(opt.gpu, opt.layers), serve_sim.Layout(pcp=pcp).config()
+    return Replica(shape, lambda rows: model.batch_step(cfg, rows, opt.mtp), Rows, opt.accept), model, cfg
+
+
 def simulate_steps(trace: list[tuple[str, Arrival]], opt, pcp: int, max_model_len: int) -> dict:
     """``trace`` ({name: arrival}) through one engine of ``pcp`` ranks on the simulator (vLLM's scheduler
     as ``serve_sim.simulate`` drives it), recording every ``schedule()`` call: "calls", per call the tokens it
@@ -245,28 +282,20 @@ def simulate_steps(trace: list[tuple[str, Arrival]], opt, pcp: int, max_model_le
     (an engine that adds each request after as many calls sees the simulator's traffic step for step);
     the latency metrics (``serve_sim.summarize``) and the KV cache's blocks."""
     from benchmarks import serve_sim
-    from benchmarks.predict_ttft import Rows, splits
-    from benchmarks.serve_sim_engine import EngineShape, Replica, step_rows
+    from benchmarks.predict_ttft import Rows
+    from benchmarks.serve_sim_engine import step_rows
 
-    layout = serve_sim.Layout(pcp=pcp)
-    shape = EngineShape(tp=1, budget=opt.budget, max_num_seqs=opt.max_num_seqs, max_model_len=max_model_len,
-                        kv_bytes=opt.kv_bytes, mtp=opt.mtp, prefix_caching=opt.prefix_caching,
-                        async_scheduling=opt.async_scheduling, layers=opt.layers)
-    model, cfg = serve_sim.step_model(opt.gpu, opt.layers), layout.config()
-    rep = Replica(shape, lambda rows: model.batch_step(cfg, rows, opt.mtp), Rows, opt.accept)
+    rep, model, cfg = replica(opt, pcp, max_model_len)
     calls, steps, schedule = [], [], rep.sched.schedule
 
     def recorded():
         so = schedule()
         calls.append(dict(so.num_scheduled_tokens))
         rows = step_rows(rep.sched, so, Rows)
-        prompt = [(rid, r.new) for rid, r in zip(so.num_scheduled_tokens, rows) if r.prompt]
-        if prompt:
-            long = {rid for rid, _ in prompt if rep.sched.requests[rid].num_prompt_tokens >= LONG_PROMPT}
-            split = {rid for rid, n in prompt if splits(n, pcp)}
-            steps.append({"prompt": sum(n for _, n in prompt), "split": sum(n for r, n in prompt if r in split),
-                          "split_step": bool(split), "long": sum(n for r, n in prompt if r in long),
-                          "long_split": sum(n for r, n in prompt if r in split and r in long)})
+        prompts = [(r.new, rep.sched.requests[rid].num_prompt_tokens)
+                   for rid, r in zip(so.num_scheduled_tokens, rows) if r.prompt]
+        if prompts:
+            steps.append(step_record(prompts, pcp))
         return so
 
     rep.sched.schedule = recorded

@@ -114,14 +114,12 @@ def from_trace(path: str) -> list[Arrival]:
 def from_bench_result(result: dict) -> list[Arrival]:
     """The requests ``vllm bench serve --save-result --save-detailed`` sent (vLLM 0.20.2's result keys): each
     one's measured start (``start_times``, the client's clock, from the first), prompt tokens (``input_lens``:
-    the server's count where it reported one) and output tokens (``output_lens``); a failed request (its
-    ``errors`` entry set, or no output) is left out, as bench serve leaves it out of its metrics."""
+    the server's count where it reported one) and output tokens (``output_lens``); a failed request (bench
+    serve counts its output as 0 tokens) is left out, as bench serve leaves it out of its metrics."""
     missing = [k for k in ("start_times", "input_lens", "output_lens") if not isinstance(result.get(k), list)]
     if missing:
         raise ValueError(f"not a vllm bench serve result saved with --save-detailed: no {', '.join(missing)}")
-    errors = result.get("errors") or [""] * len(result["start_times"])
-    rows = [(s, p, o) for s, p, o, e in zip(result["start_times"], result["input_lens"], result["output_lens"], errors)
-            if o and not e]
+    rows = [(s, p, o) for s, p, o in zip(result["start_times"], result["input_lens"], result["output_lens"]) if o]
     if not rows:
         raise ValueError("the result holds no successful request")
     t0 = min(result["start_times"])  # the first request sent, failed or not

@@ -179,7 +179,8 @@ def test_plan_ranks_layouts_by_p99_ttft_within_the_itl(capsys, tmp_path):
 
 
 def test_the_gpu_check_compares_a_bench_serve_result_with_the_simulator(tmp_path):
-    """``serve_check_gpu.py --report-only`` on a result laid out as vLLM 0.20.2's bench serve writes it."""
+    """``serve_check_gpu.py --report-only`` on a result laid out as vLLM 0.20.2's bench serve writes it (the
+    whole part: benchmarks/test_serve_check.py)."""
     from vllm.benchmarks import serve as bench_serve
 
     assert "start_times" in inspect.getsource(bench_serve) and 'f"p{p_word}_{metric_attribute_name}_ms"' in \
@@ -188,12 +189,27 @@ def test_the_gpu_check_compares_a_bench_serve_result_with_the_simulator(tmp_path
     for key in ("ttft", "itl", "tpot"):
         result.update({f"p50_{key}_ms": 100.0, f"p99_{key}_ms": 200.0})
     (tmp_path / "bench_rate2.json").write_text(json.dumps(result))
-    (tmp_path / "settings.json").write_text(json.dumps({"gpu": "h100", "layers": 8, "kv_gib": 20.0, "mtp": 0,
-                                                        "budget": 8192, "command": "serve_check_gpu.py"}))
+    (tmp_path / "serve_settings.json").write_text(json.dumps({"gpu": "h100", "layers": 8, "kv_gib": 20.0, "mtp": 0,
+                                                              "budget": 8192, "command": "serve_check_gpu.py"}))
     import subprocess
 
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_check_gpu.py"), "--out", str(tmp_path),
                           "--report-only"], capture_output=True, text=True, timeout=120, check=True).stdout
-    comparison = json.loads((tmp_path / "comparison.json").read_text())["2"]
+    comparison = json.loads((tmp_path / "serve_comparison.json").read_text())["rates"]["2"]["cells"]
     assert comparison["ttft_p99_ms"]["measured"] == 200.0 and comparison["ttft_p99_ms"]["predicted"] > 0
-    assert "error = predicted / measured - 1" in out
+    assert "error = predicted / measured - 1" in out and "== part pcp2" in out
+
+
+def test_a_second_engine_shape_in_a_fresh_process(tmp_path):
+    """Two engine setups of different shapes in a process that never resolved vLLM's platform (the GPU
+    check's report simulates one per trace): the second one's configs still see a platform."""
+    import subprocess
+
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from benchmarks import serve_sim_engine as e\n"
+            "for kv in (4 << 30, 5 << 30):\n"
+            "    print(e.engine_setup(e.EngineShape(kv_bytes=kv, max_model_len=32768, layers=8))['num_blocks'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = (int(x) for x in out.stdout.split()[-2:])
+    assert second > first > 0
