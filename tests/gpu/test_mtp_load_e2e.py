@@ -130,8 +130,12 @@ def test_prompts_split_beside_verification_match_pcp1(engine_pool):
             failed.append(f"{name}: no split step with verification rows on some rank: {kinds}")
         if "spread" in name and any(k.get("handover", 0) for k in kinds):
             failed.append(f"{name}: verifying requests handed over: {kinds}")
-        if name.startswith("turns") and not all(n > 0 for o, n in zip(b["ids"], c["cached"]) if o.startswith("t")):
-            failed.append(f"{name}: a second turn missed the prefix cache: {c['cached']}")
+        # second turns hit the prefix cache as at the reference (vLLM's GDN states are kept at block ends
+        # its steps reached: a short chat's second turn may find none)
+        ref_cached = [o["num_cached_tokens"] for o in a["outputs"]]
+        if name.startswith("turns") and (c["cached"] != ref_cached or not any(
+                n > 0 for o, n in zip(b["ids"], c["cached"]) if o.startswith("t"))):
+            failed.append(f"{name}: second turns' prefix hits {c['cached']}, the reference's {ref_cached}")
         if name.startswith("preempt") and not res.get("preemptions"):
             failed.append(f"{name}: nothing was preempted")
     for name, without in SHARE_OF.items():
