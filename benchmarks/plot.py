@@ -42,3 +42,13 @@ def log2_axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = False) -> 
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
+
+
+def log_log_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Log axes both ways (latencies against rates), a small wrapped title, a grid."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=7, wrap=True)
+    ax.grid(alpha=0.3, which="both")

@@ -106,7 +106,7 @@ def error_table(runs: dict, title: str) -> list[str]:
 def plot_errors(runs: dict, path: str, title: str) -> None:
     """Measured (solid, filled) and predicted (dashed, hollow) TTFT, ITL and TPOT p50/p99 against the request
     rate (log axes)."""
-    from benchmarks.plot import save_figure
+    from benchmarks.plot import log_log_axes, save_figure
 
     rates = sorted(runs, key=float)
 
@@ -123,12 +123,7 @@ def plot_errors(runs: dict, path: str, title: str) -> None:
                         label=f"{label} p{p} measured")
                 ax.plot(x, [c["predicted"] for c in cells], marker=marker, color=colors(i), linestyle="--",
                         markerfacecolor="none", label=f"{label} p{p} predicted")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("request rate (requests/s)")
-        ax.set_ylabel("ms")
-        ax.set_title(title, fontsize=7, wrap=True)
-        ax.grid(alpha=0.3, which="both")
+        log_log_axes(ax, "request rate (requests/s)", "ms", title)
     save_figure(path, draw, fontsize=5, ncol=3)
 
 

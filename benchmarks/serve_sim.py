@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks/
 from benchmarks import serve_sim_traffic as traffic  # noqa: E402
-from benchmarks.plot import save_figure  # noqa: E402
+from benchmarks.plot import log_log_axes, save_figure  # noqa: E402
 from benchmarks.predict_ttft import GPUS, Config, Rows, ServingStepModel, weight_bytes  # noqa: E402
 from benchmarks.serve_sim_engine import EngineShape, Replica  # noqa: E402
 
@@ -228,12 +228,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
                        label=r["layout"] if j == 0 else None)
         for j, b in enumerate(budgets):
             ax.scatter([], [], color="gray", marker="os^D"[j % 4], label=f"budget {b}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("ITL p99 (ms), predicted")
-        ax.set_ylabel("TTFT p99 (s), predicted")
-        ax.set_title(title, fontsize=7, wrap=True)
-        ax.grid(alpha=0.3, which="both")
+        log_log_axes(ax, "ITL p99 (ms), predicted", "TTFT p99 (s), predicted", title)
     save_figure(path, draw, fontsize=6, ncol=2)
 
 
