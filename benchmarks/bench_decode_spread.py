@@ -254,7 +254,7 @@ def summarize_profile(trace_dir: str, top: int = 8) -> dict:
 def plan_host_ms() -> dict:
     """{"N/B": ms} the host spends on the plan of a batch's first spread step: owners, ``PCPPlan``,
     ``PCPContext``'s device tensors (median of 20; already inside the turn times; the batch's later
-    steps reuse the plan and tensors: ``PCPModelRunner._plan``)."""
+    steps reuse the plan and tensors: ``StepPlanner.plan``)."""
     import statistics
     from types import SimpleNamespace
 

@@ -12,7 +12,7 @@ all-gather on NVLink (modelled with ``predict_ttft``'s constants: the stand-in g
 bytes), the memory the call allocates at its peak (measured), and the saving against the predicted
 TTFT of pcp=N (``predict_ttft``).
 
-Decode step (``runner.rank0_rows``: every rank samples from rank 0's rows): kernel time and
+Decode step (``step_rows.rank0_rows``: every rank samples from rank 0's rows): kernel time and
 host time per call (measured) and the all-gather (modelled), against pcp=1's decode inter-token
 latency measured on one H200 with vLLM's compile defaults (``chunk_budget_1xh200_2026-12-02``): the
 decode ITL after a PCP prefill, predicted.

@@ -85,7 +85,7 @@ def count_step(rank: int, group, batch: int) -> dict:
         setattr(GPUModelRunner, name, uncounted(getattr(GPUModelRunner, name)))
     runner.model = uncounted(runner.model)
     # the stand-in's K/V write (vLLM's is one kernel per layer): not counted
-    for _, layers in runner._attention_groups:
+    for _, layers in runner.spread.attention_groups:
         for layer in layers:
             layer.impl.cache_writer = uncounted(layer.impl.cache_writer)
     for step in range(3):

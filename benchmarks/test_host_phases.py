@@ -57,3 +57,13 @@ def test_each_phase_of_a_spread_step_is_timed_once_per_step_and_holds_the_phases
         assert ms["SpreadDecode.forward"] >= (
             ms["GPUModelRunner._model_forward"] + ms["runner_part.defer_staged_kv"] + ms["PCPContext.gather_output"])
         assert ms["PCPModelRunner._model_forward"] >= ms["SpreadDecode.forward"]
+
+
+def test_the_tensor_call_counter_runs_a_spread_step():
+    """``spread_host_ops.count_step`` drives the runner's real spread step on 2 gloo ranks and counts
+    the runner's own tensor calls."""
+    from benchmarks.spread_host_ops import count_step, summarize
+
+    for calls in run_distributed(count_step, 2, 2):
+        s = summarize(calls)
+        assert s["calls"] > s["views"] >= 0 and s["by_function"], s

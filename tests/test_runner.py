@@ -941,3 +941,41 @@ def test_the_drafter_runs_whole_where_vllm_drops_rejected_rows_from_its_first_pa
     runner.drafter = SimpleNamespace(needs_extra_input_slots=False)
     split = runner.drafter_part.split_enabled()
     assert split is (not unpadded) and runner.drafter_part.reads_every_row(split) is unpadded
+
+
+def test_the_parts_call_the_next_class_in_the_runners_mro(monkeypatch):
+    """The parts call vLLM's methods through ``PCPModelRunner.vllm`` (``super()``), so a runner class that
+    puts its own ``GPUModelRunner`` subclass after ``PCPModelRunner`` sees every forward, a step's too;
+    and the planner reads the runner's config at each step."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from qwen36_pcp.config import PCPConfig
+    from qwen36_pcp.runner_hooks import PCPModelRunner
+    from qwen36_pcp.runner_hooks.step import PCPStep
+
+    seen = []
+    monkeypatch.setattr(GPUModelRunner, "_model_forward", lambda self, *a, **kw: seen.append("vllm") or kw["x"])
+
+    class Tap(GPUModelRunner):
+        def _model_forward(self, *args, **kwargs):
+            seen.append("tap")
+            return super()._model_forward(*args, **kwargs)
+
+    class Mine(PCPModelRunner, Tap):
+        pass
+
+    runner = object.__new__(Mine)
+    group = SimpleNamespace(world_size=2, rank_in_group=1, all_gather=lambda x, dim: torch.cat([x + 1, x]))
+    runner.build_parts(PCPConfig(), group)
+    runner.pcp_step = PCPStep(plan=None, logits_indices=torch.tensor([1]))
+    hidden = runner._model_forward(x=torch.zeros(3, 2))
+    assert seen == ["tap", "vllm"] and hidden[1].tolist() == [1.0, 1.0] and hidden[0].tolist() == [0.0, 0.0]
+    runner.pcp_step = None
+    runner._model_forward(x=torch.zeros(1, 2))  # outside a step (profiling, capture): vLLM's through the MRO
+    assert seen[2:] == ["tap", "vllm"]
+    # the planner's config is the runner's at each step
+    runner.input_batch = SimpleNamespace(num_computed_tokens_cpu=np.zeros(1, dtype=np.int64),
+                                         num_prompt_tokens=np.array([1024]))
+    assert runner.planner.plan(np.array([1024]))[0] is None  # under the default floor: whole
+    runner.pcp_config = PCPConfig(min_split_tokens=256)
+    assert runner.planner.plan(np.array([1024]))[0].split.tolist() == [True]

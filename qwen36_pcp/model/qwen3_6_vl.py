@@ -6,7 +6,7 @@ its language model built from the PCP layers at prefill_context_parallel_size > 
 vLLM's class. Images need nothing of the PCP layers: vLLM's runner encodes the step's images and
 merges their embeddings into ``inputs_embeds`` for the whole batch before the model runs, so a split
 step hands each rank its rows of ``inputs_embeds`` and of the [3, T] M-RoPE positions of the whole
-prompt (``runner.PCPModelRunner._model_forward``), wherever an image's tokens fall among the blocks.
+prompt (``runner_hooks.split_forward.SplitForward.split``), wherever an image's tokens fall among the blocks.
 The vision encoder is split: each rank encodes its share of the step's frames and one all-gather
 gives every rank's encoder cache every embedding (``layers.vision_split``; ``vision_encoder="replicated"``:
 every rank encodes everything).

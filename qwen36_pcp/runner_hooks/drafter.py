@@ -13,7 +13,8 @@ from ..layers.context import PCPContext
 
 
 class DrafterPart:
-    """Created by the runner in ``__init__``; reads the runner's drafter (built in ``load_model``)."""
+    """The runner's MTP drafter (built in ``load_model``) as the step needs it: where its first pass runs,
+    the context it runs that pass with, and its drafts the same bits on every rank."""
 
     def __init__(self, runner):
         self.runner = runner

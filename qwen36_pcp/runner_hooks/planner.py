@@ -12,14 +12,13 @@ from .step import StepDrafts
 
 
 class StepPlanner:
-    """Created by the runner in ``__init__``; ``spread``: ``decode="spread"``'s part (``spread``), which
-    assigns decode rows to owners and runs a step of owned rows alone as its own batch."""
+    """The step's decision from the runner's host state (its batch, its config and group, read at each
+    step); ``spread``: ``decode="spread"``'s part (``qwen36_pcp.spread``), which assigns decode rows to
+    owners and runs a step of owned rows alone as its own batch."""
 
     def __init__(self, runner, spread=None):
         self.runner = runner
         self.spread = spread
-        self.config = runner.pcp_config
-        self.world, self.rank = runner.pcp_group.world_size, runner.pcp_group.rank_in_group
 
     def drafts(self, scheduler_output, num_new: np.ndarray) -> StepDrafts | None:
         """The step's drafts as vLLM's runner and GDN layers see them (None without speculative
@@ -44,7 +43,7 @@ class StepPlanner:
                    and bool((num_new == runner.uniform_decode_query_len).all()) and bool((num_read == num_new).all()))
         return StepDrafts(verify, num_read, uniform)
 
-    def plan(self, num_new: np.ndarray, drafts: StepDrafts | None = None):
+    def plan(self, num_new: np.ndarray, drafts: StepDrafts | None = None) -> tuple[PCPPlan | None, object]:
         """(the step's plan, the spread decode step's batch of owned requests), (None, None) when the
         step stays whole: no request has enough new tokens to split and (``decode="spread"``) none
         decodes.
@@ -60,26 +59,25 @@ class StepPlanner:
 
         With ``decode="spread"`` each decode row goes to its request's owner and a step that hands a
         request's states over from its owner is planned even when nothing splits (``SpreadDecode``)."""
-        batch = self.runner.input_batch
+        runner = self.runner
+        batch, group, config = runner.input_batch, runner.pcp_group, runner.pcp_config
         num_reqs = len(num_new)
         num_computed = batch.num_computed_tokens_cpu[:num_reqs]
         verify = None if drafts is None else drafts.verify
         owner = handover = None
         if self.spread is not None:
             owner, handover = self.spread.assign(num_new, num_computed, drafts)
-        splits = self.config.step_splits(num_new if verify is None else num_new[~verify], self.world)
+        splits = config.step_splits(num_new if verify is None else num_new[~verify], group.world_size)
         if not splits and (owner is None or not ((owner >= 0).any() or (handover >= 0).any())):
             return None, None
-        past_prompt = num_computed + num_new > batch.num_prompt_tokens[:num_reqs]
-        if drafts is not None and verify is None and past_prompt.any():
+        if drafts is not None and verify is None and (
+                num_computed + num_new > batch.num_prompt_tokens[:num_reqs]).any():
             return None, None
-        rows, key = 0, None
+        rows = 0
         if self.spread is not None:
-            reused, rows, key = self.spread.batch_of(owner, num_new, drafts, num_computed)
+            reused, rows = self.spread.reuse(owner, num_new, drafts, num_computed)
             if reused is not None:
                 return reused
-        plan = PCPPlan(num_computed, num_new, self.world, self.rank, self.config, owner, handover,
+        plan = PCPPlan(num_computed, num_new, group.world_size, group.rank_in_group, config, owner, handover,
                        min_rows=abs(rows), verify=verify, num_read=None if drafts is None else drafts.num_read)
-        if key is None:
-            return plan, None
-        return plan, self.spread.new_batch(key, plan, rows)
+        return plan, (self.spread.batch(plan, rows) if rows else None)

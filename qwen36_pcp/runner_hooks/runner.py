@@ -55,6 +55,12 @@ class PCPModelRunner(GPUModelRunner):
         self.drafter_part = DrafterPart(self)
         self.split_forward = SplitForward(self, self.drafter_part)
 
+    def vllm(self, name: str):
+        """vLLM's ``name`` of this runner: the method the next class after ``PCPModelRunner`` in the
+        runner's MRO defines (``GPUModelRunner``'s, or a subclass's between them), which the parts call
+        where the runner would call ``super()``."""
+        return getattr(super(), name)
+
     def may_reinitialize_input_batch(self, kv_cache_config, kernel_block_sizes) -> None:
         with pcp1_block_tables():
             super().may_reinitialize_input_batch(kv_cache_config, kernel_block_sizes)
@@ -83,11 +89,9 @@ class PCPModelRunner(GPUModelRunner):
 
     def _get_slot_mappings(self, num_tokens_padded: int, num_reqs_padded: int, num_tokens_unpadded: int,
                            ubatch_slices=None):
-        # a spread decode step: the owned rows' slots at the head, -1 past them to the batch's size
-        owned = self.pcp_step.owned if self.pcp_step is not None else None
-        if owned is not None:
-            num_tokens_padded, num_reqs_padded = owned.num_rows, owned.num_reqs_padded
-            num_tokens_unpadded = owned.num_tokens
+        step = self.pcp_step
+        if step is not None and step.owned is not None:
+            return self.spread.slot_mappings(step, ubatch_slices)
         return super()._get_slot_mappings(num_tokens_padded, num_reqs_padded, num_tokens_unpadded, ubatch_slices)
 
     def _build_attention_metadata(self, *args, **kwargs):
@@ -110,8 +114,7 @@ class PCPModelRunner(GPUModelRunner):
         if step.plan is None:
             return self.split_forward.unsplit(step, input_ids, positions, intermediate_tensors, inputs_embeds,
                                               **model_kwargs)
-        part = self.spread if step.owned is not None else self.split_forward
-        forward = part.forward if step.owned is not None else part.split
+        forward = self.spread.forward if step.owned is not None else self.split_forward.split
         out = forward(step, input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
         if self.spread is not None:
             self.spread.share_filled_state_blocks(step.plan)
@@ -130,7 +133,7 @@ class PCPModelRunner(GPUModelRunner):
         with pcp_model_build(self.vllm_config) as replacements:
             super().load_model(*args, **kwargs)
         if self.spread is not None:
-            self.spread.attach_kv_stage(self.spread.model_attention_layers())
+            self.spread.attach_kv_stage()
         self.drafter_part.adopt(replacements)
 
     def profile_run(self) -> None:

@@ -10,7 +10,6 @@ rank 0."""
 from __future__ import annotations
 
 import torch
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ..layers.context import PCPContext, running_step
 from ..step_rows import local_rows, rank0_rows
@@ -18,14 +17,16 @@ from .step import PCPStep
 
 
 class SplitForward:
-    """Created by the runner in ``__init__``; ``drafter``: the runner's ``DrafterPart``."""
+    """A planned step's forward on this rank's rows; ``drafter`` (the runner's ``DrafterPart``) says which
+    rows the output gather must bring and keeps the step's context for the drafter's first pass."""
 
     def __init__(self, runner, drafter):
         self.runner = runner
         self.drafter = drafter
 
     def unsplit(self, step: PCPStep, *args, **kwargs) -> torch.Tensor:
-        hidden = GPUModelRunner._model_forward(self.runner, *args, **kwargs)
+        """vLLM's forward of the whole batch, its sampled rows rank 0's on every rank (``rank0_rows``)."""
+        hidden = self.runner.vllm("_model_forward")(*args, **kwargs)
         return rank0_rows(self.runner.pcp_group, hidden, step.logits_indices.long())
 
     def split(self, step: PCPStep, input_ids, positions, intermediate_tensors, inputs_embeds,
@@ -38,8 +39,8 @@ class SplitForward:
         ctx = PCPContext(step.plan, runner.pcp_group, full.device, num_tokens_padded=full.shape[0], seq_lens=seq_lens)
         idx = ctx.t.local_idx
         with running_step(ctx):
-            hidden = GPUModelRunner._model_forward(
-                runner, local_rows(input_ids, idx, 0), local_rows(positions, idx, -1), intermediate_tensors,
+            hidden = runner.vllm("_model_forward")(
+                local_rows(input_ids, idx, 0), local_rows(positions, idx, -1), intermediate_tensors,
                 local_rows(inputs_embeds, idx, 0), **model_kwargs)
         split_drafter = self.drafter.split_enabled()
         self.drafter.first_pass_ctx = ctx if split_drafter else None

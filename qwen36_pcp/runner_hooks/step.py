@@ -5,11 +5,15 @@ acts on the step (the dispatch, the slots, the metadata, the forward)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..plan import PCPPlan
+
+if TYPE_CHECKING:
+    from ..spread.owned_batch import OwnedBatch
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,7 @@ class PCPStep:
 
     plan: PCPPlan | None  # None: an unsplit step
     logits_indices: torch.Tensor  # the rows vLLM samples from
-    # a spread decode step (``spread.OwnedBatch``): the batch of this rank's own requests
-    owned: object = None
+    owned: OwnedBatch | None = None  # a spread decode step: the batch of this rank's own requests
     # a spread decode step with a drafter: the whole batch's metadata the drafter reads (its heads put
     # back after the forward)
     drafter_metadata: object = None

@@ -21,7 +21,6 @@ import torch
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.worker import mamba_utils
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ..layers.context import PCPContext
 from ..layers.pcp_attention import PCPFlashAttentionImpl
@@ -39,14 +38,19 @@ from .state_blocks import (
 
 
 class SpreadDecode:
-    """Created by the runner in ``__init__`` with ``decode="spread"``."""
+    """The runner's part with ``decode="spread"``: it owns the decode owners, the latest owned batch and
+    the K/V stage, and runs the steps of owned rows (created in the runner's ``__init__``).
+
+    The model's layer lists (``attention_groups``, ``state_groups``) are found once, after vLLM set up
+    the KV cache: vLLM 0.20.2 replaces ``kv_cache_config`` before the first step only, with the same
+    groups and layer names."""
 
     def __init__(self, runner):
         self.runner = runner
         self.group = runner.pcp_group
         self.owners = DecodeOwners(self.group.world_size)
         # the latest spread decode step's (owners and rows, plan, batch): the next step of the same
-        # batch reuses them (``batch_of``)
+        # batch reuses them (``reuse``)
         self.latest: tuple[tuple, PCPPlan, OwnedBatch] | None = None
         self.kv_stage: KVStage | None = None
 
@@ -63,23 +67,30 @@ class SpreadDecode:
             handover = np.full(n, -1, dtype=np.int64)
         return owner, handover
 
-    def batch_of(self, owner: np.ndarray, num_new: np.ndarray, drafts, num_computed: np.ndarray):
-        """(the latest step's plan and batch at this step's counts where this step is the same spread
-        decode step, else None; the rows the batch runs, 0 where the step is no spread decode step; its
-        key)."""
+    def reuse(self, owner: np.ndarray, num_new: np.ndarray, drafts, num_computed: np.ndarray):
+        """(the latest spread decode step's plan and batch at this step's counts where this step is the
+        same one, else None; the rows the step's batch runs: 0 where it is no spread decode step,
+        negative where it runs eagerly, ``owned_rows``)."""
         spread = spread_decode_step(owner, num_new) and (drafts is None or drafts.uniform)
         rows = self.owned_rows(owner, num_new) if spread else 0
-        key = (owner.tobytes(), rows, int(num_new[0])) if rows else None
-        if key is not None and self.latest is not None and self.latest[0] == key:
+        if rows and self.latest is not None and self.latest[0] == self._key(owner, rows, num_new):
             _, plan, owned = self.latest
-            return (plan.with_computed(num_computed), owned), rows, key
-        return None, rows, key
+            return (plan.with_computed(num_computed), owned), rows
+        return None, rows
 
-    def new_batch(self, key: tuple, plan: PCPPlan, rows: int) -> OwnedBatch:
+    def batch(self, plan: PCPPlan, rows: int) -> OwnedBatch:
+        """The batch of this rank's own requests of a spread decode step's ``plan`` (``rows``:
+        ``reuse``'s), kept for the next steps of the same owners and size."""
         owned = OwnedBatch.of(plan, plan.t_pad, eager=rows < 0,
                               device_lens=self.runner.speculative_config is not None)
-        self.latest = key, plan, owned
+        self.latest = self._key(plan.owner, rows, plan.num_new), plan, owned
         return owned
+
+    @staticmethod
+    def _key(owner: np.ndarray, rows: int, num_new: np.ndarray) -> tuple:
+        """What a spread decode step's plan and batch depend on: the owners, the batch's rows and the
+        rows per request."""
+        return owner.tobytes(), rows, int(num_new[0])
 
     def owned_rows(self, owner: np.ndarray, num_new: np.ndarray) -> int:
         """The batch every rank runs at a spread decode step, in rows: the most requests any rank owns
@@ -123,8 +134,8 @@ class SpreadDecode:
         tables = runner.input_batch.block_table.block_tables
         groups, runner.attn_groups = runner.attn_groups, [[] for _ in runner.attn_groups]
         try:
-            return GPUModelRunner._build_attention_metadata(
-                runner, num_tokens=num_tokens, num_reqs=num_reqs, max_query_len=int(num_new.max()),
+            return runner.vllm("_build_attention_metadata")(
+                num_tokens=num_tokens, num_reqs=num_reqs, max_query_len=int(num_new.max()),
                 use_spec_decode=True, num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
                 slot_mappings={g: t.slot_mapping.gpu[:num_tokens] for g, t in enumerate(tables)})[1]
         finally:
@@ -138,13 +149,20 @@ class SpreadDecode:
         positions = runner.mrope_positions.gpu[:, :rows] if runner.uses_mrope else runner.positions[:rows]
         return [runner.input_ids.gpu[:rows], positions]
 
+    def slot_mappings(self, step, ubatch_slices=None):
+        """vLLM's slot mappings of the owned batch: the owned rows' slots at the head (written by
+        ``OwnedBatch.write_heads``), -1 past them to the batch's size."""
+        owned = step.owned
+        return self.runner.vllm("_get_slot_mappings")(owned.num_rows, owned.num_reqs_padded, owned.num_tokens,
+                                                      ubatch_slices)
+
     def dispatch(self, step, force_eager: bool, kwargs: dict):
         """vLLM's dispatch of a decode batch of the owned requests' size, as at pcp == 1."""
         rows, q = step.owned.num_rows, step.owned.query_len
         kwargs.update(num_tokens=rows, num_reqs=rows // q, num_scheduled_tokens_np=np.full(rows // q, q, np.int32),
                       max_num_scheduled_tokens=q, use_cascade_attn=False)
-        result = GPUModelRunner._determine_batch_execution_and_padding(
-            self.runner, force_eager=force_eager or step.owned.eager, **kwargs)
+        result = self.runner.vllm("_determine_batch_execution_and_padding")(
+            force_eager=force_eager or step.owned.eager, **kwargs)
         if result[1].num_tokens != rows:  # the heads, slots and metadata are written for ``rows``
             raise RuntimeError(
                 f"qwen36_pcp: vLLM dispatched a spread decode step of {rows} rows as a batch of "
@@ -169,7 +187,7 @@ class SpreadDecode:
         try:
             for name, value in swapped.items():
                 setattr(runner, name, value)
-            attn_metadata, common = GPUModelRunner._build_attention_metadata(runner, **kwargs)
+            attn_metadata, common = runner.vllm("_build_attention_metadata")(**kwargs)
         finally:
             for name, value in whole.items():
                 setattr(runner, name, value)
@@ -195,8 +213,8 @@ class SpreadDecode:
                 whole = (runner.input_ids.gpu[:n] if input_ids is not None else None,
                          runner.mrope_positions.gpu[:, :n] if positions.dim() == 2 else runner.positions[:n],
                          runner.inputs_embeds.gpu[:n] if inputs_embeds is not None else None)
-                hidden = GPUModelRunner._model_forward(
-                    runner, local_rows(whole[0], idx, 0, in_place=True), local_rows(whole[1], idx, -1, in_place=True),
+                hidden = runner.vllm("_model_forward")(
+                    local_rows(whole[0], idx, 0, in_place=True), local_rows(whole[1], idx, -1, in_place=True),
                     intermediate_tensors, local_rows(whole[2], idx, 0, in_place=True), **model_kwargs)
             else:  # no request of its own: nothing to compute
                 hidden = torch.zeros(owned.num_rows, runner.model_config.get_hidden_size(), dtype=runner.dtype,
@@ -254,12 +272,13 @@ class SpreadDecode:
         layers = runner.compilation_config.static_forward_context
         return [layers[name] for name in runner.kv_cache_config.kv_cache_groups[gid].layer_names]
 
-    def attach_kv_stage(self, layers: list) -> None:
-        """After ``load_model``: the model's attention layers keep the new K/V rows they write in one
-        ``KVStage`` of ``max_num_reqs`` x (1 + K) rows (the most a spread decode step runs), attached
+    def attach_kv_stage(self, layers: list | None = None) -> None:
+        """After ``load_model``: the model's attention layers (or ``layers``) keep the new K/V rows they
+        write in one ``KVStage`` of ``max_num_reqs`` x (1 + K) rows (the most a spread decode step runs), attached
         before vLLM captures its CUDA graphs so that they hold the copies (vLLM captures in
         ``capture_model``, after it)."""
         runner = self.runner
+        layers = self.model_attention_layers() if layers is None else layers
         other = [type(layer.impl).__name__ for layer in layers if not isinstance(layer.impl, PCPFlashAttentionImpl)]
         if other:
             raise RuntimeError(f"qwen36_pcp: decode=\"spread\" needs the PCP attention impl on every attention "
