@@ -5,6 +5,7 @@
     python -m tests.gpu.diagnose kkt-race [--sweep-configs | --config-sensitivity | --pin-cost] [--lengths ...]
     [--runs N] [--shape tiny|35b]
     python -m tests.gpu.diagnose warm                                  # build and autotune the PCP kernels
+    python -m tests.gpu.diagnose compiled-nosplit                      # compiled pcp=2 without a split step
 
 ``dump``: the first batch of one of ``test_pcp_e2e``'s engines (``defaults`` or ``chunked``) on pcp=1 and
 on LAYOUT (shared GPU), every module's input and output for the listed steps and rows saved
@@ -13,6 +14,11 @@ on LAYOUT (shared GPU), every module's input and output for the listed steps and
 ``chunk_scaled_dot_kkt_fwd`` (the race ``qwen36_pcp.deterministic_gdn`` avoids); which kernels' output
 follows their config, and what keeping them to one output's configs costs (``--pin-cost``).
 ``warm``: the Triton kernels pcp > 1 and tp = 2 engines add to pcp=1's, for a warm Triton cache.
+``compiled-nosplit``: ``test_mtp_load_e2e``'s compiled load (MTP, K = 3) at pcp=1, at pcp=2 with
+``min_split_tokens`` above every prompt (no step splits: every step is pcp=1's batch on every rank) and at
+pcp=2: whether compiled pcp=2's departure from compiled pcp=1 (eager pcp=2 is bit for bit) needs a split
+step. Identical without splits: the split steps' compiled graph departs (then ``dump`` on a split step);
+apart: the unsplit steps' graph at pcp > 1 differs from pcp=1's (the PCP layer classes in it).
 """
 
 from __future__ import annotations
@@ -50,6 +56,28 @@ def dump(engine: str, layout: str, rows: str) -> dict:
     return report
 
 
+def compiled_nosplit() -> dict:
+    import copy
+
+    from . import test_mtp_load_e2e as t
+
+    jobs = t.load_jobs()
+    nosplit, ranks = copy.deepcopy(jobs["compiled_mtp3_pcp2"])
+    nosplit["llm"]["additional_config"] = {"qwen36_pcp": {"min_split_tokens": 1 << 30}}
+    results = e2e.run_jobs({"compiled_mtp3_pcp1": jobs["compiled_mtp3_pcp1"], "compiled_mtp3_pcp2": jobs[
+        "compiled_mtp3_pcp2"], "compiled_mtp3_pcp2_nosplit": (nosplit, ranks)})
+    failed = {k: str(r)[-2000:] for k, r in results.items() if isinstance(r, BaseException)}
+    if failed:
+        raise SystemExit(f"compiled-nosplit: engines failed: {failed}")
+    ref = results["compiled_mtp3_pcp1"]["prompts_under_load"]["outputs"]
+    report = {}
+    for name in ("compiled_mtp3_pcp2_nosplit", "compiled_mtp3_pcp2"):
+        outs = results[name]["prompts_under_load"]["outputs"]
+        report[name] = {**e2e.compare(ref, outs), "identical": ref == outs,
+                        "step_kinds": results[name].get("step_kinds")}
+    return report
+
+
 def main(argv) -> int:
     from . import gdn_kernel_race
 
@@ -61,7 +89,14 @@ def main(argv) -> int:
     d.add_argument("rows", help="STEP:LO:HI[,STEP:LO:HI...] (steps from 1, rows of the runner's batch)")
     gdn_kernel_race.add_arguments(sub.add_parser("kkt-race", help="GDN prefill kernels' determinism"))
     sub.add_parser("warm", help="build and autotune the kernels PCP and tp=2 engines add")
+    sub.add_parser("compiled-nosplit", help="compiled pcp=2 against compiled pcp=1 with no split step")
     args = parser.parse_args(argv)
+    if args.cmd == "compiled-nosplit":
+        report = compiled_nosplit()
+        e2e.save("compiled_nosplit", report)
+        for name, c in report.items():
+            print(name, json.dumps({k: v for k, v in c.items() if k != "diverged_at"}))
+        return 0
     if args.cmd == "warm":
         from . import warm_kernels
 
