@@ -5,10 +5,15 @@ collective)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..plan import PCPPlan
 from .step import StepDrafts
+
+if TYPE_CHECKING:
+    from ..spread.owned_batch import OwnedBatch
 
 
 class StepPlanner:
@@ -43,7 +48,7 @@ class StepPlanner:
                    and bool((num_new == runner.uniform_decode_query_len).all()) and bool((num_read == num_new).all()))
         return StepDrafts(verify, num_read, uniform)
 
-    def plan(self, num_new: np.ndarray, drafts: StepDrafts | None = None) -> tuple[PCPPlan | None, object]:
+    def plan(self, num_new: np.ndarray, drafts: StepDrafts | None = None) -> tuple[PCPPlan | None, OwnedBatch | None]:
         """(the step's plan, the spread decode step's batch of owned requests), (None, None) when the
         step stays whole: no request has enough new tokens to split and (``decode="spread"``) none
         decodes.
