@@ -143,7 +143,8 @@ class StandIn(BaseHTTPRequestHandler):
 def test_bench_serve_against_a_stand_in_server_feeds_the_comparison(tmp_path):
     """vllm bench serve as part 1 runs it (its flags, its result file) against a stand-in of vllm serve; the
     comparison reads the result: the measured percentiles as bench serve wrote them, the simulator on the
-    trace it sent, the table, the JSON."""
+    trace it sent, the table, the JSON; the warm-up pass before it (the same dataset's first prompts) kept
+    apart."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -151,7 +152,8 @@ def test_bench_serve_against_a_stand_in_server_feeds_the_comparison(tmp_path):
         out = tmp_path / "out"
         out.mkdir()
         args = check.parse_args(["--rates", "40", "--num-prompts", "6", "--input-len", "600", "--output-len", "5",
-                                 "--num-warmups", "1", "--port", str(server.server_address[1])])
+                                 "--num-warmups", "1", "--warmup-prompts", "3",
+                                 "--port", str(server.server_address[1])])
         (out / "serve_settings.json").write_text(json.dumps({
             "gpu": "h100", "layers": 8, "budget": 8192, "max_num_seqs": 1024, "prefix_caching": False, "mtp": 0,
             "kv_gib": 20.0, "async_scheduling": True, "command": "serve_check_gpu.py"}))
@@ -162,7 +164,11 @@ def test_bench_serve_against_a_stand_in_server_feeds_the_comparison(tmp_path):
     result = json.loads((out / "bench_rate40.json").read_text())
     assert result["completed"] == 6 and result["output_lens"] == [5] * 6
     assert all(300 <= n <= 901 for n in result["input_lens"])  # 600 x (1 -/+ 0.5), as the stand-in counted
-    comparison = json.loads((out / "serve_comparison.json").read_text())["rates"]["40"]
+    warmup = json.loads((out / "warmup" / "bench_rateinf.json").read_text())  # the first pass, not compared
+    assert warmup["completed"] == 3 and warmup["input_lens"] == result["input_lens"][:3]
+    rates = json.loads((out / "serve_comparison.json").read_text())["rates"]
+    assert list(rates) == ["40"]
+    comparison = rates["40"]
     assert comparison["requests"] == 6 and comparison["failed"] == 0
     cells = comparison["cells"]
     assert cells["ttft_p99_ms"]["measured"] == result["p99_ttft_ms"] and cells["ttft_p99_ms"]["predicted"] > 0
