@@ -124,6 +124,8 @@ def plot_errors(runs: dict, path: str, title: str) -> None:
                 ax.plot(x, [c["predicted"] for c in cells], marker=marker, color=colors(i), linestyle="--",
                         markerfacecolor="none", label=f"{label} p{p} predicted")
         log_log_axes(ax, "request rate (requests/s)", "ms", title)
+        ax.set_xticks([float(r) for r in rates], [f"{float(r):g}" for r in rates])  # the rates run, plainly
+        ax.minorticks_off()
     save_figure(path, draw, fontsize=5, ncol=3)
 
 
