@@ -18,7 +18,9 @@ follows their config, and what keeping them to one output's configs costs (``--p
 ``min_split_tokens`` above every prompt (no step splits: every step is pcp=1's batch on every rank) and at
 pcp=2: whether compiled pcp=2's departure from compiled pcp=1 (eager pcp=2 is bit for bit) needs a split
 step. Identical without splits: the split steps' compiled graph departs (then ``dump`` on a split step);
-apart: the unsplit steps' graph at pcp > 1 differs from pcp=1's (the PCP layer classes in it).
+apart: the unsplit steps' graph at pcp > 1 differs from pcp=1's (apart on one H100, 2026-12-07, in decode
+steps). Under ``TORCHINDUCTOR_DETERMINISTIC=1`` (children inherit it) Inductor does not pick its generated
+kernels' configs by timing them: identical then, the picks were the cause.
 """
 
 from __future__ import annotations
