@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The serving simulator (``serve_sim.py``) against an engine on ONE H100 or H200, in one command:
 
-    python benchmarks/serve_check_gpu.py --out DIR                  # both parts, about 6-7 minutes
-    python benchmarks/serve_check_gpu.py --out DIR --parts serve    # part 1 alone (about 4 minutes)
+    python benchmarks/serve_check_gpu.py --out DIR                  # both parts, about 8-9 minutes
+    python benchmarks/serve_check_gpu.py --out DIR --parts serve    # part 1 alone (about 5-6 minutes)
     python benchmarks/serve_check_gpu.py --out DIR --parts pcp2     # part 2 alone (about 3 minutes)
     python benchmarks/serve_check_gpu.py --out DIR --report-only    # the tables again from DIR
 
@@ -12,7 +12,8 @@ its first ``--layers`` layers (8: the whole model leaves an H100 almost no KV me
 1. ``serve`` (first: the more valuable part). ``vllm serve`` at pcp=1 (vLLM's serve defaults: torch.compile,
    CUDA graphs, async scheduling, chunked prefill at ``--budget``; prefix caching off, as vLLM's default for
    this model) and ``vllm bench serve`` (random prompts of ``--input-len`` x (1 -/+ ``--range-ratio``) tokens,
-   ``--output-len`` tokens each) at ``--rates`` from light to saturated; then ``serve_sim`` on the very trace
+   ``--output-len`` tokens each) at ``--rates`` from light to saturated, after a warm-up pass that is not
+   measured (``--warmup-prompts`` requests at once, into ``DIR/warmup``); then ``serve_sim`` on the very trace
    each bench serve sent (its measured start times, the server's prompt lengths, the output lengths), with
    the server's KV cache (read from its log) and the card's step-time model. Measured against predicted
    TTFT, ITL and TPOT p50/p99, error = predicted / measured - 1: ``serve_table.txt``,
@@ -30,10 +31,15 @@ its first ``--layers`` layers (8: the whole model leaves an H100 almost no KV me
    The engine's own schedule is compared too (first step that differs). ``pcp2_table.txt``,
    ``pcp2_comparison.json``, ``pcp2_step_mix.png``.
 
-``--time-budget`` (seconds from the start, default 470) bounds the whole run: a rate that would not finish
-in it is skipped, and part 2 starts only with ``--pcp2-min-s`` left. Wall time on a fresh machine: the
-server's start ~150-180 s (Triton JIT, torch.compile, CUDA graphs), each rate 20-35 s (bench serve's own
-start ~10 s), part 2 ~60-90 s of start (kernels cached by part 1) and ~20-60 s of trace.
+``--time-budget`` (seconds from the start, default 540) bounds the whole run: a rate (or the warm-up pass)
+that would not finish in it by ``rate_seconds``' guess is skipped, and part 2 starts only with
+``--pcp2-min-s`` (150) left. Wall time on a fresh machine (both parts took 464 s on one H100 with budget 500,
+before the warm-up pass existed): the server's start ~150-180 s (Triton JIT, torch.compile, CUDA graphs), the
+warm-up pass and each rate 20-35 s (bench serve's own start ~10 s), the server's stop up to ~30 s, part 2
+~60-90 s of start (kernels cached by part 1) and ~20-60 s of trace. The default: ~180 s of start, ~160 s of
+bench serve (``rate_seconds``: 35 for the warm-up pass, then 47, 41, 38 for the default rates), ~30 s of stop
+and part 2's 150 s make ~520 s; 540 leaves part 2 its time with every rate run, and the whole run (part 2's
+stop and the report come after the budget) under a 600 s limit.
 """
 
 from __future__ import annotations
@@ -186,31 +192,39 @@ def rate_plan(rates: list[float], num_prompts: list[int]) -> list[tuple[float, i
 def rate_seconds(rate: float, num_prompts: int) -> float:
     """A generous guess of one bench serve's wall time: its start (~10 s: vLLM's import, the dataset), the
     arrivals, and the queue's drain."""
+    # rate inf (the warm-up pass): every request arrives at once, so no arrival term, and 35 s in all. Enough
+    # for the default 160 prompts: the 48/s pass of the same 160 prompt lengths lasted 7 s on one H100 at 8
+    # layers (saturated, so all at once drains about as fast), and a cold server's first prompts add a few
+    # seconds of Triton compiles (0.4-1.6 s for each of the first 7 in the 2026-12-07 run), inside the 20 s
+    # drain. It does not grow with --warmup-prompts: several hundred prompts would need more.
     return 15 + (0 if math.isinf(rate) else num_prompts / rate) + 20
 
 
 def bench_rates(args, ckpt: str, out: Path, deadline: float, on_result=None) -> list[str]:
     """Every rate of ``--rates`` against the running server, each as far as the time left allows;
     ``on_result()`` after each. What was skipped or failed, in words. First, with ``--warmup-prompts``,
-    one pass of the dataset's first prompts at once, not measured (into ``out/warmup``): a fresh server
-    compiles Triton kernels for the prompt lengths it meets first (the first requests of a cold run
-    took 0.4-1.6 s for a 0.05-0.1 s prefill), which the simulator does not model."""
+    a warm-up pass, not measured, of that many requests at once (its result and log in ``out/warmup``):
+    bench serve's random dataset with the same seed draws the same first prompt lengths for every count
+    (the lengths before the tokens), so it meets each rate's first lengths; a fresh server compiles Triton
+    kernels for the prompt lengths it meets first (the first requests of a cold run took 0.4-1.6 s for a
+    0.05-0.1 s prefill), which the simulator does not model."""
     notes = []
     plan = rate_plan(args.rates, args.num_prompts)
     if args.warmup_prompts:
         plan = [(math.inf, args.warmup_prompts)] + plan
     for i, (rate, n) in enumerate(plan):
         warmup = bool(args.warmup_prompts) and i == 0
+        what = "the warm-up pass" if warmup else f"rate {rate:g}/s"
         need = rate_seconds(rate, n)
         if left(deadline) < need:
-            notes.append(f"rate {rate:g}/s skipped: {left(deadline):.0f} s left, ~{need:.0f} s needed")
+            notes.append(f"{what} skipped: {left(deadline):.0f} s left, ~{need:.0f} s needed")
             print(notes[-1], flush=True)
             continue
         folder = out / "warmup" if warmup else out
         folder.mkdir(exist_ok=True)
         cmd = bench_command(args, ckpt, rate, n, folder)
         print("$", " ".join(cmd), flush=True)
-        log = folder / f"serve_bench_rate{rate:g}.log"
+        log = folder / ("serve_bench_warmup.log" if warmup else f"serve_bench_rate{rate:g}.log")
         try:
             with open(log, "w") as f:
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env={
@@ -219,13 +233,13 @@ def bench_rates(args, ckpt: str, out: Path, deadline: float, on_result=None) -> 
         except subprocess.TimeoutExpired:
             rc = "timeout"
         if rc != 0:
-            notes.append(f"rate {rate:g}/s: bench serve ended with {rc} (see {log.name})")
+            notes.append(f"{what}: bench serve ended with {rc} (see {log.relative_to(out)})")
             print(notes[-1] + "\n" + log.read_text()[-3000:], flush=True)
         if on_result is not None and not warmup:
             try:
                 on_result()
             except Exception as e:  # noqa: BLE001 - a report that fails must not stop the measurements
-                notes.append(f"rate {rate:g}/s: the comparison failed: {type(e).__name__}: {e}")
+                notes.append(f"{what}: the comparison failed: {type(e).__name__}: {e}")
                 print(notes[-1], flush=True)
     return notes
 
@@ -570,7 +584,8 @@ def parse_args(argv=None):
     ap.add_argument("--work", default="/tmp/qwen36_pcp_serve_check_work", help="the checkpoint (config, tokenizer)")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="in this order")
     ap.add_argument("--report-only", action="store_true", help="the tables again from what --out holds")
-    ap.add_argument("--time-budget", type=float, default=470, help="seconds for the whole run")
+    ap.add_argument("--time-budget", type=float, default=540,
+                    help="seconds for the whole run (the default leaves part pcp2 its --pcp2-min-s after part serve)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--budget", type=int, default=8192, help="--max-num-batched-tokens (vllm serve's default)")
     g = ap.add_argument_group("part serve")
@@ -582,7 +597,8 @@ def parse_args(argv=None):
     g.add_argument("--output-len", type=int, default=128)
     g.add_argument("--num-warmups", type=int, default=2, help="bench serve's warm-up requests before each rate")
     g.add_argument("--warmup-prompts", type=int, default=160,
-                   help="a first pass of the dataset's first prompts, all at once and not measured (0: none)")
+                   help="a warm-up pass of this many requests (the rates' first prompt lengths), all at once and "
+                        "not measured (0: none)")
     g.add_argument("--max-model-len", type=int, default=16384)
     g.add_argument("--max-num-seqs", type=int, default=1024, help="vllm serve's default on H100/H200")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -13,6 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -143,8 +144,8 @@ class StandIn(BaseHTTPRequestHandler):
 def test_bench_serve_against_a_stand_in_server_feeds_the_comparison(tmp_path):
     """vllm bench serve as part 1 runs it (its flags, its result file) against a stand-in of vllm serve; the
     comparison reads the result: the measured percentiles as bench serve wrote them, the simulator on the
-    trace it sent, the table, the JSON; the warm-up pass before it (the same dataset's first prompts) kept
-    apart."""
+    trace it sent, the table, the JSON; the warm-up pass before it (the same dataset's first prompt lengths)
+    kept apart."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -166,6 +167,7 @@ def test_bench_serve_against_a_stand_in_server_feeds_the_comparison(tmp_path):
     assert all(300 <= n <= 901 for n in result["input_lens"])  # 600 x (1 -/+ 0.5), as the stand-in counted
     warmup = json.loads((out / "warmup" / "bench_rateinf.json").read_text())  # the first pass, not compared
     assert warmup["completed"] == 3 and warmup["input_lens"] == result["input_lens"][:3]
+    assert (out / "warmup" / "serve_bench_warmup.log").exists() and not (out / "serve_bench_warmup.log").exists()
     rates = json.loads((out / "serve_comparison.json").read_text())["rates"]
     assert list(rates) == ["40"]
     comparison = rates["40"]
@@ -178,6 +180,45 @@ def test_bench_serve_against_a_stand_in_server_feeds_the_comparison(tmp_path):
     # the report alone, from what the run left
     assert check.main(["--out", str(out), "--report-only", "--parts", "serve"]) == 0
     assert "largest |error| per metric" in (out / "table.txt").read_text()
+
+
+def test_the_warmup_pass_runs_before_the_rates_and_is_not_compared(tmp_path, monkeypatch):
+    """bench serve's runs in order: the warm-up pass (every request at once, into ``out/warmup`` with its log)
+    first, then each rate; the comparison after each rate, not after the warm-up pass; a failed warm-up pass
+    named so in the notes."""
+    runs, compared = [], []
+
+    def fake_run(cmd, stdout, **kwargs):
+        flag = {k: v for k, v in zip(cmd, cmd[1:]) if k.startswith("--")}
+        runs.append((flag["--request-rate"], int(flag["--num-prompts"]), Path(flag["--result-dir"]), stdout.name))
+        return SimpleNamespace(returncode=1 if flag["--request-rate"] == "inf" else 0)
+
+    monkeypatch.setattr(check.subprocess, "run", fake_run)
+    args = check.parse_args(["--rates", "2", "16", "--num-prompts", "4", "8", "--warmup-prompts", "5"])
+    notes = check.bench_rates(args, "ckpt", tmp_path, time.monotonic() + 300,
+                              on_result=lambda: compared.append(runs[-1][0]))
+    assert [r[:3] for r in runs] == [("inf", 5, tmp_path / "warmup"), ("2", 4, tmp_path), ("16", 8, tmp_path)]
+    assert runs[0][3] == str(tmp_path / "warmup" / "serve_bench_warmup.log")
+    assert runs[1][3] == str(tmp_path / "serve_bench_rate2.log")
+    assert compared == ["2", "16"]
+    assert notes == ["the warm-up pass: bench serve ended with 1 (see warmup/serve_bench_warmup.log)"]
+    runs.clear()
+    no_warmup = check.parse_args(["--rates", "2", "--num-prompts", "4", "--warmup-prompts", "0"])
+    check.bench_rates(no_warmup, "ckpt", tmp_path, time.monotonic() + 300)
+    assert [r[0] for r in runs] == ["2"]  # --warmup-prompts 0: no warm-up pass
+
+
+def test_the_default_budget_leaves_part_pcp2_its_time():
+    """The default --time-budget holds the server's start (~180 s), the warm-up pass and every default rate
+    as ``rate_seconds`` prices them, the server's stop (~30 s) and part pcp2's --pcp2-min-s, and stays under
+    a 600 s command limit with ~40 s for part 2's stop and the report."""
+    import math
+
+    args = check.parse_args([])
+    plan = [(math.inf, args.warmup_prompts)] + check.rate_plan(args.rates, args.num_prompts)
+    bench = sum(check.rate_seconds(rate, n) for rate, n in plan)
+    assert check.rate_seconds(math.inf, args.warmup_prompts) == 35  # no arrival term at rate inf
+    assert 180 + bench + 30 + args.pcp2_min_s <= args.time_budget <= 600 - 40
 
 
 def _harness_line(plan, computed, new, prompt_lens) -> str:

@@ -20,7 +20,10 @@ pcp=2: whether compiled pcp=2's departure from compiled pcp=1 (eager pcp=2 is bi
 step. Identical without splits: the split steps' compiled graph departs (then ``dump`` on a split step);
 apart: the unsplit steps' graph at pcp > 1 differs from pcp=1's (apart on one H100, 2026-12-07, in decode
 steps). Under ``TORCHINDUCTOR_DETERMINISTIC=1`` (children inherit it) Inductor does not pick its generated
-kernels' configs by timing them: identical then, the picks were the cause.
+kernels' configs by timing them: identical then, the picks were the cause. Saved per pcp=2 engine: the rule's
+verdict, the step kinds, each engine's accepted draft tokens (vLLM's spec-decode counter) and per prompt
+(``prompt_differences``) whether its tokens are pcp=1's, where tokens and logprobs first differ, the largest
+logprob difference.
 """
 
 from __future__ import annotations
@@ -71,13 +74,36 @@ def compiled_nosplit() -> dict:
     failed = {k: str(r)[-2000:] for k, r in results.items() if isinstance(r, BaseException)}
     if failed:
         raise SystemExit(f"compiled-nosplit: engines failed: {failed}")
-    ref = results["compiled_mtp3_pcp1"]["prompts_under_load"]["outputs"]
+    ref = results["compiled_mtp3_pcp1"]["prompts_under_load"]
     report = {}
     for name in ("compiled_mtp3_pcp2_nosplit", "compiled_mtp3_pcp2"):
-        outs = results[name]["prompts_under_load"]["outputs"]
-        report[name] = {**e2e.compare(ref, outs), "identical": ref == outs,
-                        "step_kinds": results[name].get("step_kinds")}
+        outs = results[name]["prompts_under_load"]
+        report[name] = {**e2e.compare(ref["outputs"], outs["outputs"]), "identical": ref["outputs"] == outs["outputs"],
+                        "step_kinds": results[name].get("step_kinds"),
+                        "accepted": {engine: results[engine].get("spec_decode_metrics", {}).get(t.ACCEPTED)
+                                     for engine in ("compiled_mtp3_pcp1", name)},
+                        "prompts": prompt_differences(ref, outs)}
     return report
+
+
+def prompt_differences(ref: dict, other: dict) -> list[dict]:
+    """Per prompt of two ``prompts_under_load`` results ({"ids", "outputs"}), matched by id: whether its
+    tokens are the same, the first token index where the tokens differ and the first where the chosen
+    token's logprob does (None: nowhere), and the largest |logprob difference| over the tokens they share."""
+    theirs = dict(zip(other["ids"], other["outputs"]))
+    rows = []
+    for rid, a in zip(ref["ids"], ref["outputs"]):
+        b = theirs.get(rid, {"token_ids": [], "logprobs": []})
+        shared = next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y),
+                      min(len(a["token_ids"]), len(b["token_ids"])))
+        scored = min(shared, len(a["logprobs"]), len(b["logprobs"]))  # an aborted request may have fewer
+        diffs = [abs(a["logprobs"][i][str(tok)] - b["logprobs"][i][str(tok)]) for i, tok in
+                 enumerate(a["token_ids"][:scored])]
+        rows.append({"id": rid, "same_tokens": a["token_ids"] == b["token_ids"],
+                     "first_token_diff": None if a["token_ids"] == b["token_ids"] else shared,
+                     "first_logprob_diff": next((i for i, d in enumerate(diffs) if d != 0), None),
+                     "max_logprob_diff": max(diffs, default=0.0)})
+    return rows
 
 
 def main(argv) -> int:
@@ -97,7 +123,7 @@ def main(argv) -> int:
         report = compiled_nosplit()
         e2e.save("compiled_nosplit", report)
         for name, c in report.items():
-            print(name, json.dumps({k: v for k, v in c.items() if k != "diverged_at"}))
+            print(name, json.dumps({k: v for k, v in c.items() if k not in ("diverged_at", "prompts")}))
         return 0
     if args.cmd == "warm":
         from . import warm_kernels
