@@ -20,7 +20,8 @@ pcp=2: whether compiled pcp=2's departure from compiled pcp=1 (eager pcp=2 is bi
 step. Identical without splits: the split steps' compiled graph departs (then ``dump`` on a split step);
 apart: the unsplit steps' graph at pcp > 1 differs from pcp=1's (apart on one H100, 2026-12-07, in decode
 steps). Under ``TORCHINDUCTOR_DETERMINISTIC=1`` (children inherit it) Inductor does not pick its generated
-kernels' configs by timing them: identical then, the picks were the cause. Saved per pcp=2 engine: the rule's
+kernels' configs by timing them (one H100, 2026-12-07: still apart, from the first token, while the two pcp=2
+engines agreed: the picks were not the cause). Saved per pcp=2 engine: the rule's
 verdict, the step kinds, each engine's accepted draft tokens (vLLM's spec-decode counter) and per prompt
 (``prompt_differences``) whether its tokens are pcp=1's, where tokens and logprobs first differ, the largest
 logprob difference.
