@@ -200,6 +200,13 @@ def rate_seconds(rate: float, num_prompts: int) -> float:
     return 15 + (0 if math.isinf(rate) else num_prompts / rate) + 20
 
 
+def bench_plan(args) -> list[tuple[float, int]]:
+    """bench serve's runs in order, (rate, prompts): the warm-up pass (rate inf) with ``--warmup-prompts``,
+    then ``rate_plan``'s."""
+    warmup = [(math.inf, args.warmup_prompts)] if args.warmup_prompts else []
+    return warmup + rate_plan(args.rates, args.num_prompts)
+
+
 def bench_rates(args, ckpt: str, out: Path, deadline: float, on_result=None) -> list[str]:
     """Every rate of ``--rates`` against the running server, each as far as the time left allows;
     ``on_result()`` after each. What was skipped or failed, in words. First, with ``--warmup-prompts``,
@@ -209,10 +216,7 @@ def bench_rates(args, ckpt: str, out: Path, deadline: float, on_result=None) -> 
     kernels for the prompt lengths it meets first (the first requests of a cold run took 0.4-1.6 s for a
     0.05-0.1 s prefill), which the simulator does not model."""
     notes = []
-    plan = rate_plan(args.rates, args.num_prompts)
-    if args.warmup_prompts:
-        plan = [(math.inf, args.warmup_prompts)] + plan
-    for i, (rate, n) in enumerate(plan):
+    for i, (rate, n) in enumerate(bench_plan(args)):
         warmup = bool(args.warmup_prompts) and i == 0
         what = "the warm-up pass" if warmup else f"rate {rate:g}/s"
         need = rate_seconds(rate, n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import sys
 import threading
 import time
@@ -212,10 +213,9 @@ def test_the_default_budget_leaves_part_pcp2_its_time():
     """The default --time-budget holds the server's start (~180 s), the warm-up pass and every default rate
     as ``rate_seconds`` prices them, the server's stop (~30 s) and part pcp2's --pcp2-min-s, and stays under
     a 600 s command limit with ~40 s for part 2's stop and the report."""
-    import math
-
     args = check.parse_args([])
-    plan = [(math.inf, args.warmup_prompts)] + check.rate_plan(args.rates, args.num_prompts)
+    plan = check.bench_plan(args)
+    assert plan[0] == (math.inf, args.warmup_prompts) and plan[1:] == check.rate_plan(args.rates, args.num_prompts)
     bench = sum(check.rate_seconds(rate, n) for rate, n in plan)
     assert check.rate_seconds(math.inf, args.warmup_prompts) == 35  # no arrival term at rate inf
     assert 180 + bench + 30 + args.pcp2_min_s <= args.time_budget <= 600 - 40
