@@ -6,6 +6,7 @@
     [--runs N] [--shape tiny|35b]
     python -m tests.gpu.diagnose warm                                  # build and autotune the PCP kernels
     python -m tests.gpu.diagnose compiled-nosplit                      # compiled pcp=2 without a split step
+    python -m tests.gpu.diagnose graphs                                # what compiled pcp=1 and pcp=2 compiled
 
 ``dump``: the first batch of one of ``test_pcp_e2e``'s engines (``defaults`` or ``chunked``) on pcp=1 and
 on LAYOUT (shared GPU), every module's input and output for the listed steps and rows saved
@@ -25,6 +26,9 @@ engines agreed: the picks were not the cause). Saved per pcp=2 engine: the rule'
 verdict, the step kinds, each engine's accepted draft tokens (vLLM's spec-decode counter) and per prompt
 (``prompt_differences``) whether its tokens are pcp=1's, where tokens and logprobs first differ, the largest
 logprob difference.
+``graphs``: the same compiled pcp=1 engine and the pcp=2 one without splits, one after the other with caches
+of their own, and what each compiled lined up (``compiled_graphs``): rank 0's Dynamo graphs line by line,
+Inductor's Triton kernels by name and source.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def dump(engine: str, layout: str, rows: str) -> dict:
     return report
 
 
-def compiled_nosplit() -> dict:
+def nosplit_jobs() -> dict:
+    """``test_mtp_load_e2e``'s compiled engines, and its pcp=2 one with no split step: {name: (spec, ranks)}."""
     import copy
 
     from . import test_mtp_load_e2e as t
@@ -70,8 +75,22 @@ def compiled_nosplit() -> dict:
     jobs = t.load_jobs()
     nosplit, ranks = copy.deepcopy(jobs["compiled_mtp3_pcp2"])
     nosplit["llm"]["additional_config"] = {"qwen36_pcp": {"min_split_tokens": 1 << 30}}
-    results = e2e.run_jobs({"compiled_mtp3_pcp1": jobs["compiled_mtp3_pcp1"], "compiled_mtp3_pcp2": jobs[
-        "compiled_mtp3_pcp2"], "compiled_mtp3_pcp2_nosplit": (nosplit, ranks)})
+    return {"compiled_mtp3_pcp1": jobs["compiled_mtp3_pcp1"], "compiled_mtp3_pcp2": jobs["compiled_mtp3_pcp2"],
+            "compiled_mtp3_pcp2_nosplit": (nosplit, ranks)}
+
+
+def graphs() -> dict:
+    from . import compiled_graphs
+
+    jobs = nosplit_jobs()
+    roots = compiled_graphs.run({name: jobs[name][0] for name in ("compiled_mtp3_pcp1", "compiled_mtp3_pcp2_nosplit")})
+    return compiled_graphs.compare(roots["compiled_mtp3_pcp1"], roots["compiled_mtp3_pcp2_nosplit"])
+
+
+def compiled_nosplit() -> dict:
+    from . import test_mtp_load_e2e as t
+
+    results = e2e.run_jobs(nosplit_jobs())
     failed = {k: str(r)[-2000:] for k, r in results.items() if isinstance(r, BaseException)}
     if failed:
         raise SystemExit(f"compiled-nosplit: engines failed: {failed}")
@@ -119,7 +138,14 @@ def main(argv) -> int:
     gdn_kernel_race.add_arguments(sub.add_parser("kkt-race", help="GDN prefill kernels' determinism"))
     sub.add_parser("warm", help="build and autotune the kernels PCP and tp=2 engines add")
     sub.add_parser("compiled-nosplit", help="compiled pcp=2 against compiled pcp=1 with no split step")
+    sub.add_parser("graphs", help="what compiled pcp=1 and pcp=2 (no split step) compiled, lined up")
     args = parser.parse_args(argv)
+    if args.cmd == "graphs":
+        report = graphs()
+        e2e.save("compiled_graphs", report)
+        for key, c in report.items():
+            print(key, json.dumps(c)[:4000])
+        return 0
     if args.cmd == "compiled-nosplit":
         report = compiled_nosplit()
         e2e.save("compiled_nosplit", report)
