@@ -1,0 +1,234 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The KV cache sharded over the PCP group (``qwen36_pcp.kv_shard``): vLLM's own block tables write each
+token on the rank that keeps it, each rank attends its shard, vLLM's log-sum-exp merge over real gloo ranks
+gives the whole sequence's attention. vLLM's Triton kernels (slot mapping, merge) run in Triton's
+interpreter, in a process of their own (vLLM decides at import whether Triton is usable)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from qwen36_pcp.kv_shard.layout import KVShard
+
+H, KVH, D, BS = 4, 2, 8, 16
+SEQ_LENS = [1, 5, 37, 130, 257]  # a request shorter than the group, partial blocks, several blocks
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("interleave", [1, 2, 16])
+def test_shard_partitions_every_sequence(n, interleave):
+    pos = np.arange(1000)
+    kept = np.stack([KVShard(n, r, interleave).keeps(pos) for r in range(n)])
+    assert (kept.sum(0) == 1).all()  # every token on exactly one rank
+    lens = torch.tensor([0, 1, 7, 64, 999, 1000])
+    for r in range(n):
+        shard = KVShard(n, r, interleave)
+        local = shard.local_index(pos[kept[r]])
+        assert (local == np.arange(kept[r].sum())).all()  # a rank's tokens packed in order
+        counts = [int(kept[r][:int(t)].sum()) for t in lens]
+        assert shard.local_lens(lens).tolist() == counts
+
+
+def _case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    kv = [(torch.randn(t, KVH, D, generator=g), torch.randn(t, KVH, D, generator=g)) for t in SEQ_LENS]
+    q = torch.randn(len(SEQ_LENS), H, D, generator=g)  # one decode query per request, its last position
+    return kv, q
+
+
+def _attention(q, k, v, scale):
+    """fp32 attention of one query row per head against keys [n, kvh, d] -> (out [h, d], lse [h])."""
+    if k.shape[0] == 0:
+        return torch.zeros(q.shape), torch.full(q.shape[:1], float("-inf"))
+    rep = q.shape[0] // k.shape[1]
+    s = torch.einsum("hd,nhd->hn", q.float(), k.float().repeat_interleave(rep, 1)) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v.float().repeat_interleave(rep, 1))
+    return out, lse
+
+
+def _decode_worker(rank, group, interleave):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    from qwen36_pcp.kv_shard.layout import shard_block_tables
+    from qwen36_pcp.kv_shard.merge import merge_partials
+
+    n = group.world_size
+    shard = KVShard(n, rank, interleave)
+    specs = [FullAttentionSpec(block_size=BS, num_kv_heads=KVH, head_size=D, dtype=torch.float32),
+             MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))]
+    max_blocks = -(-max(SEQ_LENS) // BS)
+    tables = MultiGroupBlockTable(len(SEQ_LENS), max(SEQ_LENS), sum(SEQ_LENS), False, torch.device("cpu"),
+                                  [BS, BS], [BS, BS], max_num_blocks=[max_blocks, max_blocks],
+                                  cp_kv_cache_interleave_size=interleave)
+    shard_block_tables(tables.block_tables, specs, shard)
+    # the scheduler's blocks: an attention block holds BS x n tokens (each rank its BS of them)
+    next_block, attn_blocks = 1, []
+    for i, t in enumerate(SEQ_LENS):
+        nb = -(-t // (BS * n))
+        attn_blocks.append(list(range(next_block, next_block + nb)))
+        tables.add_row((attn_blocks[-1], [100 + i]), i)
+        next_block += nb
+    tables.commit_block_table(len(SEQ_LENS))
+    positions = torch.cat([torch.arange(t) for t in SEQ_LENS])
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(SEQ_LENS)]), dtype=torch.int32)
+    tables.compute_slot_mapping(len(SEQ_LENS), cu, positions)
+    slots = tables[0].slot_mapping.gpu[: len(positions)].clone()
+    gdn_slots = tables[1].slot_mapping.gpu[: len(positions)].clone()
+
+    kv, q = _case(7 + n + interleave)
+    key_cache = torch.zeros(next_block, BS, KVH, D)
+    value_cache = torch.zeros_like(key_cache)
+    k_all, v_all = torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
+    mine = slots >= 0
+    key_cache.view(-1, KVH, D)[slots[mine]] = k_all[mine]
+    value_cache.view(-1, KVH, D)[slots[mine]] = v_all[mine]
+
+    # decode: each rank attends its shard of every request, through the block table and its local lengths
+    scale = D**-0.5
+    local_lens = shard.local_lens(torch.tensor(SEQ_LENS)).tolist()
+    outs, lses = [], []
+    for i, n_local in enumerate(local_lens):
+        idx = torch.arange(n_local)
+        local_slots = torch.tensor(attn_blocks[i])[idx // BS] * BS + idx % BS if n_local else idx
+        out, lse = _attention(q[i], key_cache.view(-1, KVH, D)[local_slots],
+                              value_cache.view(-1, KVH, D)[local_slots], scale)
+        outs.append(out)
+        lses.append(lse)
+    merged, merged_lse = merge_partials(torch.stack(outs), torch.stack(lses), group)
+    ref = [_attention(q[i], k, v, scale) for i, (k, v) in enumerate(kv)]
+    return {"slots": slots.tolist(), "gdn_slots": gdn_slots.tolist(), "kept": int(mine.sum()),
+            "err": float((merged - torch.stack([o for o, _ in ref])).abs().max()),
+            "lse_err": float((merged_lse - torch.stack([s for _, s in ref])).abs().max()),
+            "merged": merged.flatten().tolist()}
+
+
+def _decode_cases() -> dict:
+    from harness.dist import run_distributed
+
+    out = {}
+    for n, interleave in ((2, 1), (3, 1), (4, 2), (8, 1)):
+        out[f"{n}_{interleave}"] = run_distributed(_decode_worker, n, interleave)
+    return out
+
+
+def test_sharded_decode_merges_to_whole_attention():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    code = "import json, tests.test_kv_shard as t; print('RESULT ' + json.dumps(t._decode_cases()))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    for key, ranks in json.loads(lines[0][7:]).items():
+        n, interleave = map(int, key.split("_"))
+        pos = np.concatenate([np.arange(t) for t in SEQ_LENS])
+        # vLLM's kernel: a token's slot on the rank that keeps it, the pad slot (-1) on every other
+        slots = np.array([r["slots"] for r in ranks])
+        assert ((slots >= 0).sum(0) == 1).all(), key
+        for r, res in enumerate(ranks):
+            assert ((slots[r] >= 0) == KVShard(n, r, interleave).keeps(pos)).all(), key
+            assert len(set(slots[r][slots[r] >= 0])) == res["kept"], key  # no two tokens on one slot
+            # the GDN group's table stays pcp == 1's: every rank maps every token
+            assert (np.array(res["gdn_slots"]) >= 0).all(), key
+            assert res["err"] < 1e-5 and res["lse_err"] < 1e-5, (key, r, res["err"], res["lse_err"])
+            assert res["merged"] == ranks[0]["merged"], key  # one answer on every rank
+        assert sum(r["kept"] for r in ranks) == sum(SEQ_LENS)
+
+
+# ------------------------------------------------------------------------ the scheduler's accounting
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from qwen36_pcp.tools.make_checkpoint import make_checkpoint
+
+    return str(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0))
+
+
+PROMPT = 2944  # tokens of each request in the accounting test: 23 blocks of 16 x 8
+
+
+def _accounting(ckpt):
+    from tests.fake_cuda import engine_config, use_fake_cuda
+
+    use_fake_cuda()
+    import qwen36_pcp
+
+    qwen36_pcp.register()
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kvu
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from qwen36_pcp.kv_shard.accounting import sharded_scheduler_config
+
+    cfg = engine_config(ckpt, enable_prefix_caching=True, max_num_batched_tokens=131072, max_num_seqs=64)
+    bs = cfg.cache_config.block_size
+    attn = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=256, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=bs, shapes=((3, 1536), (8, 128, 128)), dtypes=(torch.bfloat16, torch.float32),
+                      mamba_type="gdn_attention", mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
+    groups = [KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attn)] + [
+        KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], mamba) for i in (0, 1, 2)]
+    engine_kvc = KVCacheConfig(num_blocks=1000, kv_cache_tensors=[KVCacheTensor(size=1 << 20, shared_by=["x"])],
+                               kv_cache_groups=groups)
+    cfg.cache_config.num_gpu_blocks = engine_kvc.num_blocks
+    out = {"block_size": bs, "mamba_cache_mode": cfg.cache_config.mamba_cache_mode}
+    ids = list(range(100, 100 + PROMPT))
+    for n in (1, 2, 4, 8):
+        kvc = sharded_scheduler_config(engine_kvc, n)
+        block, hash_block = kvu.resolve_kv_cache_block_sizes(kvc, cfg)
+        hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+        kvu.init_none_hash(hash_fn)
+        hasher = kvu.get_request_block_hasher(hash_block, hash_fn)
+        sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
+                          block_size=block, hash_block_size=hash_block, log_stats=False)
+
+        def request(rid, prompt, hasher=hasher):
+            return Request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), None, block_hasher=hasher)
+
+        sched.add_request(request("a", ids))
+        so = sched.schedule()
+        null = sched.kv_cache_manager.block_pool.null_block.block_id
+        res = {"scheduler_block_size": block, "hash_block_size": hash_block,
+               "blocks": [sum(1 for i in b if i != null) for b in sched.kv_cache_manager.get_block_ids("a")],
+               "scheduled": so.num_scheduled_tokens.get("a", 0)}
+        sched.update_from_output(so, ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
+                                                       sampled_token_ids=[[7]]))
+        # the prompt and more: a prefix hit on what "a" left in the cache (GDN states at its end)
+        sched.add_request(request("b", ids + list(range(7, 7 + 300))))
+        so = sched.schedule()
+        res["hit"] = sched.requests["b"].num_computed_tokens - so.num_scheduled_tokens.get("b", 0)
+        # how many requests of PROMPT tokens the pool starts at once (their prompts distinct)
+        for i in range(60):
+            sched.add_request(request(f"c{i}", [7 + i] + ids[1:]))
+        so = sched.schedule()
+        res["started"] = sum(1 for r in so.num_scheduled_tokens if r.startswith("c"))
+        res["usage"] = sched.kv_cache_manager.usage
+        out[str(n)] = res
+    return out
+
+
+def test_sharded_accounting_holds_n_times_the_context(tiny_ckpt, fake_cuda_ranks):
+    out = fake_cuda_ranks.isolated(_accounting, tiny_ckpt)
+    print(json.dumps(out, indent=1))
+    bs = out["block_size"]
+    one = out["1"]
+    for n in (1, 2, 4, 8):
+        res = out[str(n)]
+        assert res["scheduled"] == PROMPT
+        attn, *gdn = res["blocks"]
+        assert attn == -(-PROMPT // (bs * n)), res  # an attention block holds bs x n tokens
+        assert gdn == one["blocks"][1:], res  # a GDN group's blocks are the replicated cache's
+        assert res["hit"] == PROMPT, res  # a prefix hit on the whole of "a"'s prompt
+    started = [out[str(n)]["started"] for n in (1, 2, 4, 8)]
+    assert started == sorted(started) and started[-1] >= 4 * started[0] > 0, started
