@@ -23,7 +23,7 @@ def _free_port() -> int:
 
 
 class TorchDistGroup:
-    """GroupCoordinator's all_gather, broadcast, send and recv contracts over the default
+    """GroupCoordinator's all_gather, broadcast, all_reduce, send and recv contracts over the default
     torch.distributed group."""
 
     def __init__(self):
@@ -46,6 +46,13 @@ class TorchDistGroup:
 
         dist.broadcast(x, src=src)
         return x
+
+    def all_reduce(self, x):
+        import torch.distributed as dist
+
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
 
     def send(self, x, dst):
         import torch.distributed as dist

@@ -22,8 +22,8 @@ TIMEOUT_S = 600
 
 
 class ReplayGroup:
-    """The ``all_gather``, ``broadcast``, ``send`` and ``recv`` contracts of vLLM's GroupCoordinator for
-    one replayed rank."""
+    """The ``all_gather``, ``broadcast``, ``all_reduce``, ``send`` and ``recv`` contracts of vLLM's
+    GroupCoordinator for one replayed rank."""
 
     def __init__(self, shared: _Shared, rank: int):
         self._shared, self.rank_in_group, self.world_size = shared, rank, shared.world_size
@@ -48,6 +48,14 @@ class ReplayGroup:
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         return self._exchange(f"broadcast from {src}", x)[src].clone()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' tensors summed in rank order (NCCL's order between GPUs is its own)."""
+        parts = self._exchange("all_reduce", x)
+        out = parts[0].clone()
+        for part in parts[1:]:
+            out += part
+        return out
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         s = self._shared
