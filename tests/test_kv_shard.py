@@ -37,6 +37,21 @@ def test_shard_partitions_every_sequence(n, interleave):
         assert shard.local_lens(lens).tolist() == counts
 
 
+def test_interleave_must_divide_the_block():
+    """vLLM's kernel interleaves within a block, ``KVShard`` over positions: they agree only then."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    from qwen36_pcp.kv_shard.layout import shard_block_tables
+
+    tables = MultiGroupBlockTable(2, 96, 96, False, torch.device("cpu"), [48], [48], max_num_blocks=[2])
+    spec = FullAttentionSpec(block_size=48, num_kv_heads=KVH, head_size=D, dtype=torch.float32)
+    shard_block_tables(tables.block_tables, [spec], KVShard(2, 1, 16))
+    assert tables[0].cp_kv_cache_interleave_size == 16 and tables[0].pcp_rank == 1
+    with pytest.raises(ValueError, match="does not divide"):
+        shard_block_tables(tables.block_tables, [spec], KVShard(2, 0, 32))
+
+
 QUERY_LENS = [1, 4, 1, 4, 1]  # each request's rows this step: a decode row, or a verification of 3 drafts
 
 
@@ -48,12 +63,13 @@ def _case(seed: int):
 
 
 def varlen_reference(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, return_softmax_lse,
-                     seqused_k=None, max_seqlen_k=None, cu_seqlens_k=None, block_table=None):
+                     seqused_k=None, max_seqlen_k=None, cu_seqlens_k=None, block_table=None, empty_lse=float("-inf")):
     """FlashAttention's ``flash_attn_varlen_func`` contract in fp32 torch: paged keys (``block_table``,
-    ``seqused_k``) or packed ones (``cu_seqlens_k``), causal end-aligned -> (out [T, H, D], lse [H, T])."""
+    ``seqused_k``) or packed ones (``cu_seqlens_k``), causal end-aligned -> (out [T, H, D], lse [H, T]); a row
+    without keys gets 0 and ``empty_lse`` (FlashAttention 3: -inf, 2: +inf)."""
     assert return_softmax_lse
     out = torch.zeros(q.shape)
-    lse = torch.full(q.shape[:2], float("-inf"))
+    lse = torch.full(q.shape[:2], empty_lse)
     cu = cu_seqlens_q.tolist()
     for i in range(len(cu) - 1):
         if block_table is not None:
@@ -77,7 +93,7 @@ def varlen_reference(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
     return out, lse.transpose(0, 1).contiguous()
 
 
-def _decode_worker(rank, group, interleave):
+def _decode_worker(rank, group, interleave, empty_lse):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
     from vllm.v1.worker.block_table import MultiGroupBlockTable
 
@@ -90,9 +106,8 @@ def _decode_worker(rank, group, interleave):
              MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))]
     max_blocks = -(-max(SEQ_LENS) // BS)
     tables = MultiGroupBlockTable(len(SEQ_LENS), max(SEQ_LENS), sum(SEQ_LENS), False, torch.device("cpu"),
-                                  [BS, BS], [BS, BS], max_num_blocks=[max_blocks, max_blocks],
-                                  cp_kv_cache_interleave_size=interleave)
-    shard_block_tables(tables.block_tables, specs, shard)
+                                  [BS, BS], [BS, BS], max_num_blocks=[max_blocks, max_blocks])
+    shard_block_tables(tables.block_tables, specs, shard)  # the interleave too
     # the scheduler's blocks: an attention block holds BS x n tokens (each rank its BS of them)
     next_block = 1
     for i, t in enumerate(SEQ_LENS):
@@ -123,8 +138,11 @@ def _decode_worker(rank, group, interleave):
     cu_q = torch.tensor(np.concatenate([[0], np.cumsum(QUERY_LENS)]), dtype=torch.int32)
     rows = ShardedRows(cu_q, max(QUERY_LENS), local, int(local.max()), tables[0].get_device_tensor(len(SEQ_LENS)))
     scale = D**-0.5
+    def varlen(**kw):
+        return varlen_reference(**kw, empty_lse=empty_lse)
+
     out = attend_sharded(q, k_new, v_new, key_cache, value_cache, rows, scale, group, torch.empty(q.shape),
-                         varlen=varlen_reference)
+                         varlen=varlen)
     ref, _ = varlen_reference(q, k_all, v_all, cu_q, max(QUERY_LENS), scale, True, True,
                               cu_seqlens_k=cu)
     return {"slots": slots.tolist(), "gdn_slots": gdn_slots.tolist(), "kept": int(mine.sum()),
@@ -135,8 +153,8 @@ def _decode_cases() -> dict:
     from harness.dist import run_distributed
 
     out = {}
-    for n, interleave in ((2, 1), (3, 1), (4, 2), (8, 1)):
-        out[f"{n}_{interleave}"] = run_distributed(_decode_worker, n, interleave)
+    for n, interleave, empty_lse in ((2, 1, "inf"), (3, 1, "-inf"), (4, 2, "inf"), (8, 1, "-inf")):
+        out[f"{n}_{interleave}"] = run_distributed(_decode_worker, n, interleave, float(empty_lse))
     return out
 
 
@@ -171,7 +189,7 @@ def tiny_ckpt(tmp_path_factory):
     return str(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0))
 
 
-PROMPT = 2944  # tokens of each request in the accounting test: 23 blocks of 16 x 8
+PROMPTS = (2944, 2990)  # tokens of a prompt: a whole number of blocks at every N, and one that is not
 
 
 def _accounting(ckpt):
@@ -190,7 +208,7 @@ def _accounting(ckpt):
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from qwen36_pcp.kv_shard.accounting import sharded_scheduler_config
+    from qwen36_pcp.kv_shard.accounting import sharded_scheduler_config, sharded_scheduler_vllm_config
 
     cfg = engine_config(ckpt, enable_prefix_caching=True, max_num_batched_tokens=131072, max_num_seqs=64)
     bs = cfg.cache_config.block_size
@@ -203,38 +221,51 @@ def _accounting(ckpt):
                                kv_cache_groups=groups)
     cfg.cache_config.num_gpu_blocks = engine_kvc.num_blocks
     out = {"block_size": bs, "mamba_cache_mode": cfg.cache_config.mamba_cache_mode}
-    ids = list(range(100, 100 + PROMPT))
-    for n in (1, 2, 4, 8):
-        kvc = sharded_scheduler_config(engine_kvc, n)
-        block, hash_block = kvu.resolve_kv_cache_block_sizes(kvc, cfg)
-        hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
-        kvu.init_none_hash(hash_fn)
-        hasher = kvu.get_request_block_hasher(hash_block, hash_fn)
-        sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
-                          block_size=block, hash_block_size=hash_block, log_stats=False)
+    hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+    kvu.init_none_hash(hash_fn)
 
-        def request(rid, prompt, hasher=hasher):
-            return Request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), None, block_hasher=hasher)
+    def step(sched, so):
+        """vLLM's runner output for ``so``: a token for each request whose prompt is done."""
+        ids = list(so.num_scheduled_tokens)
+        done = [sched.requests[r].num_computed_tokens >= sched.requests[r].num_prompt_tokens for r in ids]
+        sched.update_from_output(so, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                       sampled_token_ids=[[7] if d else [] for d in done]))
 
-        sched.add_request(request("a", ids))
-        so = sched.schedule()
-        null = sched.kv_cache_manager.block_pool.null_block.block_id
-        res = {"scheduler_block_size": block, "hash_block_size": hash_block,
-               "blocks": [sum(1 for i in b if i != null) for b in sched.kv_cache_manager.get_block_ids("a")],
-               "scheduled": so.num_scheduled_tokens.get("a", 0)}
-        sched.update_from_output(so, ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
-                                                       sampled_token_ids=[[7]]))
-        # the prompt and more: a prefix hit on what "a" left in the cache (GDN states at its end)
-        sched.add_request(request("b", ids + list(range(7, 7 + 300))))
-        so = sched.schedule()
-        res["hit"] = sched.requests["b"].num_computed_tokens - so.num_scheduled_tokens.get("b", 0)
-        # how many requests of PROMPT tokens the pool starts at once (their prompts distinct)
-        for i in range(60):
-            sched.add_request(request(f"c{i}", [7 + i] + ids[1:]))
-        so = sched.schedule()
-        res["started"] = sum(1 for r in so.num_scheduled_tokens if r.startswith("c"))
-        res["usage"] = sched.kv_cache_manager.usage
-        out[str(n)] = res
+    for prompt in PROMPTS:
+        ids = list(range(100, 100 + prompt))
+        for n in (1, 2, 4, 8):
+            kvc = sharded_scheduler_config(engine_kvc, n)
+            block, hash_block = kvu.resolve_kv_cache_block_sizes(kvc, cfg)
+            hasher = kvu.get_request_block_hasher(hash_block, hash_fn)
+            scfg = sharded_scheduler_vllm_config(cfg, n)
+            sched = Scheduler(vllm_config=scfg, kv_cache_config=kvc,
+                              structured_output_manager=StructuredOutputManager(scfg), block_size=block,
+                              hash_block_size=hash_block, log_stats=False)
+
+            def request(rid, tokens, hasher=hasher):
+                return Request(rid, tokens, SamplingParams(max_tokens=4, ignore_eos=True), None, block_hasher=hasher)
+
+            sched.add_request(request("a", ids))
+            chunks = []
+            while sched.requests["a"].num_computed_tokens < prompt:
+                so = sched.schedule()
+                chunks.append(so.num_scheduled_tokens["a"])
+                step(sched, so)
+            null = sched.kv_cache_manager.block_pool.null_block.block_id
+            res = {"chunks": chunks, "specs": [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups],
+                   "blocks": [sum(1 for i in b if i != null) for b in sched.kv_cache_manager.get_block_ids("a")]}
+            # the prompt and more: a prefix hit on what "a" left in the cache
+            sched.add_request(request("b", ids + list(range(7, 7 + 300))))
+            so = sched.schedule()
+            res["hit"] = sched.requests["b"].num_computed_tokens - so.num_scheduled_tokens.get("b", 0)
+            step(sched, so)
+            # how many more prompts of this length (distinct) the pool starts at once
+            res["free"] = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+            for i in range(60):
+                sched.add_request(request(f"c{i}", [7 + i] + ids[1:]))
+            so = sched.schedule()
+            res["started"] = sum(1 for r in so.num_scheduled_tokens if r.startswith("c"))
+            out[f"{prompt}_{n}"] = res
     return out
 
 
@@ -242,13 +273,19 @@ def test_sharded_accounting_holds_n_times_the_context(tiny_ckpt, fake_cuda_ranks
     out = fake_cuda_ranks.isolated(_accounting, tiny_ckpt)
     print(json.dumps(out, indent=1))
     bs = out["block_size"]
-    one = out["1"]
-    for n in (1, 2, 4, 8):
-        res = out[str(n)]
-        assert res["scheduled"] == PROMPT
-        attn, *gdn = res["blocks"]
-        assert attn == -(-PROMPT // (bs * n)), res  # an attention block holds bs x n tokens
-        assert gdn == one["blocks"][1:], res  # a GDN group's blocks are the replicated cache's
-        assert res["hit"] == PROMPT, res  # a prefix hit on the whole of "a"'s prompt
-    started = [out[str(n)]["started"] for n in (1, 2, 4, 8)]
-    assert started == sorted(started) and started[-1] >= 4 * started[0] > 0, started
+    assert out["mamba_cache_mode"] == "align"
+    for prompt in PROMPTS:
+        for n in (1, 2, 4, 8):
+            res = out[f"{prompt}_{n}"]
+            assert res["specs"] == [bs * n, bs, bs, bs], res  # the GDN groups' blocks stay one state each
+            attn, *gdn = res["blocks"]
+            assert attn == -(-prompt // (bs * n)), res  # an attention block holds bs x n tokens
+            assert gdn == out[f"{prompt}_1"]["blocks"][1:], res  # as many states as pcp=1 keeps
+            # the chunks end on a long block's end, where the GDN state is kept: the hit is every whole block
+            assert res["hit"] == prompt // (bs * n) * (bs * n), res
+            # each new prompt's first chunk takes its attention blocks and a state block per GDN group
+            per_prompt = -(-res["chunks"][0] // (bs * n)) + 3
+            assert res["started"] == min(60, res["free"] // per_prompt), res
+    started = [out[f"{PROMPTS[0]}_{n}"]["started"] for n in (1, 2, 4, 8)]
+    # the same pool starts N times the prompts (more: the first two requests' share shrinks with N)
+    assert all(s >= n * started[0] > 0 for s, n in zip(started, (1, 2, 4, 8))), started

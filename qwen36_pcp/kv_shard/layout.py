@@ -58,6 +58,10 @@ def shard_block_tables(block_tables, specs: list[KVCacheSpec], shard: KVShard) -
     if len(block_tables) != len(specs):
         raise ValueError(f"{len(block_tables)} block tables for {len(specs)} KV cache groups")
     for table, spec in zip(block_tables, specs):
+        if is_sharded(spec) and table.block_size % shard.interleave:
+            # vLLM's kernel interleaves within a block: the rule above holds when the interleave divides it
+            raise ValueError(f"cp_kv_cache_interleave_size {shard.interleave} does not divide the attention "
+                             f"block size {table.block_size}")
         if is_sharded(spec):
             table.pcp_world_size, table.pcp_rank = shard.world_size, shard.rank
         else:

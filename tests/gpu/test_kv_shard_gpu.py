@@ -56,8 +56,7 @@ def _tables(n, rank, block_size, interleave):
 
     max_blocks = -(-max(SEQ_LENS) // block_size)
     tables = MultiGroupBlockTable(len(SEQ_LENS), max(SEQ_LENS), sum(SEQ_LENS), False, torch.device("cuda"),
-                                  [block_size] * 2, [block_size] * 2, max_num_blocks=[max_blocks] * 2,
-                                  cp_kv_cache_interleave_size=interleave)
+                                  [block_size] * 2, [block_size] * 2, max_num_blocks=[max_blocks] * 2)
     specs = [FullAttentionSpec(block_size=block_size, num_kv_heads=KVH, head_size=D, dtype=torch.bfloat16),
              MambaSpec(block_size=block_size, shapes=((4, 4),), dtypes=(torch.float32,))]
     shard_block_tables(tables.block_tables, specs, KVShard(n, rank, interleave))
@@ -123,12 +122,20 @@ def test_sharded_decode_as_close_as_vllms_decode(world_size, interleave, how):
     cu_q = np.concatenate([[0], np.cumsum(QUERY_LENS)]).tolist()
     cu_k = np.concatenate([[0], np.cumsum(SEQ_LENS)]).tolist()
     ref = _fp32_reference(q, k, v, cu_q, cu_k, D**-0.5)
-    err_vllm = float((whole.float() - ref).abs().max())
-    errs = [float((o.float().to(ref.device) - ref).abs().max()) for o in outs]
-    REPORT[f"{how} pcp{world_size} interleave{interleave}"] = {"vllm_decode": err_vllm, "sharded": errs}
+    assert all(torch.equal(o.cpu(), outs[0].cpu()) for o in outs), "ranks disagree"
+    report = []
+    for i in range(len(QUERY_LENS)):
+        rows = slice(cu_q[i], cu_q[i + 1])
+        size = float(ref[rows].abs().max())
+        err_vllm = float((whole[rows].float() - ref[rows]).abs().max())
+        err = float((outs[0][rows].float().to(ref.device) - ref[rows]).abs().max())
+        report.append({"tokens": SEQ_LENS[i], "rows": QUERY_LENS[i], "size": size, "vllm_decode": err_vllm,
+                       "sharded": err})
+    REPORT[f"{how} pcp{world_size} interleave{interleave}"] = report
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "kv_shard_gpu.json"), "w") as f:
             json.dump(REPORT, f, indent=1)
-    assert all(torch.equal(o.cpu(), outs[0].cpu()) for o in outs), "ranks disagree"
-    # the merge rounds twice more in bf16 than one call does: within two bf16 steps of vLLM's error
-    assert max(errs) <= 2 * err_vllm + 2 * 2**-8, (errs, err_vllm)
+    for r in report:
+        # per request, against the size of its own output: the sharded path rounds to bf16 (2**-8 relative at
+        # most) at each of N partial outputs, their merge, its correction and the final merge: N + 3 times
+        assert r["sharded"] <= r["vllm_decode"] + (world_size + 3) * 2**-8 * r["size"], r
