@@ -149,6 +149,104 @@ def _decode_worker(rank, group, interleave, empty_lse):
             "err": float((out - ref).abs().max()), "merged": out.flatten().tolist()}
 
 
+# split steps (split at N = 2, 3, 4): (cached tokens, new tokens) per request: a fresh prompt; a chunk beside a
+# fresh prompt and a decode row; a prefix hit on a long context
+SPLIT_STEPS = [([0], [700]), ([13, 0, 70], [290, 1100, 1]), ([517, 0], [600, 5])]
+
+
+def correct_attn_out_reference(out, lses, cp_rank, ctx=None, is_lse_base_on_e=True):
+    """vLLM's ``correct_attn_out`` in torch: this rank's output rescaled by its share of the merged lse."""
+    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
+    lse = torch.logsumexp(lses, 0)
+    factor = torch.exp(lses[cp_rank] - lse).nan_to_num(0.0)
+    return out * factor.unsqueeze(-1), lse
+
+
+def merge_attn_states_reference(output, prefix_output, prefix_lse, suffix_output, suffix_lse, **_):
+    """vLLM's ``merge_attn_states`` in torch (lse [H, T]; +inf read as -inf)."""
+    p, s = (torch.where(x == float("inf"), float("-inf"), x).transpose(0, 1).unsqueeze(-1)
+            for x in (prefix_lse, suffix_lse))
+    m = torch.maximum(p, s)
+    wp, ws = torch.exp(p - m).nan_to_num(0.0), torch.exp(s - m).nan_to_num(0.0)
+    output.copy_((prefix_output * wp + suffix_output * ws) / (wp + ws))
+
+
+def _prefill_worker(rank, group, empty_lse):
+    """A split step over the sharded context on gloo ranks. vLLM's merge kernels (checked in Triton's
+    interpreter by the decode test) are replaced by torch references here: too slow interpreted at this
+    many rows; the block-table slots of the context are ``KVShard``'s, which the decode test holds to
+    vLLM's kernel."""
+    import vllm.v1.attention.ops.merge_attn_states as merge_states_module
+
+    import qwen36_pcp.kv_shard.merge as merge_module
+
+    merge_module.correct_attn_out = correct_attn_out_reference
+    merge_states_module.merge_attn_states = merge_attn_states_reference
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    from qwen36_pcp.kv_shard.layout import shard_block_tables
+    from qwen36_pcp.kv_shard.prefill import SplitShardRows, attend_split_sharded
+    from qwen36_pcp.plan import PCPConfig, PCPPlan
+
+    n = group.world_size
+    shard = KVShard(n, rank)
+
+    def varlen(**kw):
+        return varlen_reference(**kw, empty_lse=empty_lse)
+
+    worst = 0.0
+    for step, (cached, new) in enumerate(SPLIT_STEPS):
+        total = [c + m for c, m in zip(cached, new)]
+        g = torch.Generator().manual_seed(11 + step)
+        kv = [(torch.randn(t, KVH, D, generator=g), torch.randn(t, KVH, D, generator=g)) for t in total]
+        q_full = torch.randn(sum(new), H, D, generator=g)
+        max_blocks = -(-max(total) // BS)
+        tables = MultiGroupBlockTable(len(total), max(total), sum(total), False, torch.device("cpu"), [BS], [BS],
+                                      max_num_blocks=[max_blocks])
+        shard_block_tables(tables.block_tables, [FullAttentionSpec(block_size=BS, num_kv_heads=KVH, head_size=D,
+                                                                   dtype=torch.float32)], shard)
+        next_block = 1
+        for i, t in enumerate(total):
+            nb = -(-t // (BS * n))
+            tables.add_row((list(range(next_block, next_block + nb)),), i)
+            next_block += nb
+        tables.commit_block_table(len(total))
+        # the cached context, written by earlier steps through vLLM's slot mapping
+        key_cache = torch.zeros(next_block, BS, KVH, D)
+        value_cache = torch.zeros_like(key_cache)
+        bt = tables[0].get_cpu_tensor()
+        for i, (k, v) in enumerate(kv):  # the cached context, each token on the rank that keeps it
+            pos = np.flatnonzero(shard.keeps(np.arange(cached[i])))
+            idx = torch.from_numpy(shard.local_index(pos))
+            slots = bt[i, idx // BS].long() * BS + idx % BS
+            key_cache.view(-1, KVH, D)[slots] = k[pos]
+            value_cache.view(-1, KVH, D)[slots] = v[pos]
+        plan = PCPPlan(cached, new, n, rank, PCPConfig(min_split_tokens=64))
+        assert plan.splits_any
+        full = torch.from_numpy(plan.local_full_idx[rank])
+        k_new = torch.cat([k[c:] for (k, _), c in zip(kv, cached)])
+        v_new = torch.cat([v[c:] for (_, v), c in zip(kv, cached)])
+        pad = full < 0
+        local_k, local_v = k_new[full.clamp(min=0)], v_new[full.clamp(min=0)]
+        local_k[pad] = 0
+        local_v[pad] = 0
+        k_all, v_all = group.all_gather(local_k, dim=0), group.all_gather(local_v, dim=0)
+        rows = SplitShardRows.of(plan, shard, "cpu")
+        out = attend_split_sharded(q_full[full.clamp(min=0)], k_all, v_all, key_cache, value_cache,
+                                   tables[0].get_device_tensor(len(total)), rows, D**-0.5, group,
+                                   torch.empty(plan.t_pad, H, D), varlen=varlen)
+        # the reference: each request's rows causal over its whole sequence
+        cu_q = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
+        cu_k = torch.tensor(np.concatenate([[0], np.cumsum(total)]), dtype=torch.int32)
+        ref, _ = varlen_reference(q_full, torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]), cu_q,
+                                  max(new), D**-0.5, True, True, cu_seqlens_k=cu_k)
+        m = rows.rows
+        assert (out[m:] == 0).all()
+        worst = max(worst, float((out[:m] - ref[full[:m]]).abs().max()))
+    return worst
+
+
 def _decode_cases() -> dict:
     from harness.dist import run_distributed
 
@@ -289,3 +387,11 @@ def test_sharded_accounting_holds_n_times_the_context(tiny_ckpt, fake_cuda_ranks
     started = [out[f"{PROMPTS[0]}_{n}"]["started"] for n in (1, 2, 4, 8)]
     # the same pool starts N times the prompts (more: the first two requests' share shrinks with N)
     assert all(s >= n * started[0] > 0 for s, n in zip(started, (1, 2, 4, 8))), started
+
+
+@pytest.mark.parametrize("n,empty_lse", [(2, float("inf")), (3, float("-inf")), (4, float("-inf"))])
+def test_split_step_attends_every_shard(n, empty_lse):
+    from harness.dist import run_distributed
+
+    worst = run_distributed(_prefill_worker, n, empty_lse)
+    assert max(worst) < 1e-5, worst
