@@ -68,6 +68,13 @@ def varlen_reference(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
     ``seqused_k``) or packed ones (``cu_seqlens_k``), causal end-aligned -> (out [T, H, D], lse [H, T]); a row
     without keys gets 0 and ``empty_lse`` (FlashAttention 3: -inf, 2: +inf)."""
     assert return_softmax_lse
+    # what FlashAttention needs of its arguments, which this stand-in would otherwise not notice
+    cus = [cu_seqlens_q] + ([cu_seqlens_k] if cu_seqlens_k is not None else [seqused_k])
+    assert all(x.dtype == torch.int32 for x in cus), [x.dtype for x in cus]
+    assert int(cu_seqlens_q[-1]) == q.shape[0] and int(torch.diff(cu_seqlens_q).max()) <= max_seqlen_q
+    k_lens = torch.diff(cu_seqlens_k) if cu_seqlens_k is not None else seqused_k
+    assert cu_seqlens_k is None or int(cu_seqlens_k[-1]) == k.shape[0]
+    assert int(k_lens.max()) <= max_seqlen_k and max_seqlen_k >= 1
     out = torch.zeros(q.shape)
     lse = torch.full(q.shape[:2], empty_lse)
     cu = cu_seqlens_q.tolist()
@@ -144,7 +151,7 @@ def _decode_worker(rank, group, interleave, empty_lse):
     out = attend_sharded(q, k_new, v_new, key_cache, value_cache, rows, scale, group, torch.empty(q.shape),
                          varlen=varlen)
     ref, _ = varlen_reference(q, k_all, v_all, cu_q, max(QUERY_LENS), scale, True, True,
-                              cu_seqlens_k=cu)
+                              cu_seqlens_k=cu, max_seqlen_k=max(SEQ_LENS))
     return {"slots": slots.tolist(), "gdn_slots": gdn_slots.tolist(), "kept": int(mine.sum()),
             "err": float((out - ref).abs().max()), "merged": out.flatten().tolist()}
 
@@ -163,7 +170,10 @@ def correct_attn_out_reference(out, lses, cp_rank, ctx=None, is_lse_base_on_e=Tr
 
 
 def merge_attn_states_reference(output, prefix_output, prefix_lse, suffix_output, suffix_lse, **_):
-    """vLLM's ``merge_attn_states`` in torch (lse [H, T]; +inf read as -inf)."""
+    """vLLM's ``merge_attn_states`` in torch (lse [H, T], contiguous as its kernel indexes it; +inf read as
+    -inf)."""
+    assert prefix_lse.is_contiguous() and suffix_lse.is_contiguous()
+    assert prefix_lse.shape == suffix_lse.shape == output.shape[1::-1]
     p, s = (torch.where(x == float("inf"), float("-inf"), x).transpose(0, 1).unsqueeze(-1)
             for x in (prefix_lse, suffix_lse))
     m = torch.maximum(p, s)
@@ -212,7 +222,7 @@ def _prefill_worker(rank, group, empty_lse):
             tables.add_row((list(range(next_block, next_block + nb)),), i)
             next_block += nb
         tables.commit_block_table(len(total))
-        # the cached context, written by earlier steps through vLLM's slot mapping
+        # the cached context, as earlier steps left it
         key_cache = torch.zeros(next_block, BS, KVH, D)
         value_cache = torch.zeros_like(key_cache)
         bt = tables[0].get_cpu_tensor()
@@ -240,7 +250,8 @@ def _prefill_worker(rank, group, empty_lse):
         cu_q = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
         cu_k = torch.tensor(np.concatenate([[0], np.cumsum(total)]), dtype=torch.int32)
         ref, _ = varlen_reference(q_full, torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]), cu_q,
-                                  max(new), D**-0.5, True, True, cu_seqlens_k=cu_k)
+                                  max(new), D**-0.5, True, True, cu_seqlens_k=cu_k,
+                                  max_seqlen_k=max(total))
         m = rows.rows
         assert (out[m:] == 0).all()
         worst = max(worst, float((out[:m] - ref[full[:m]]).abs().max()))

@@ -5,8 +5,9 @@ At a split step each rank holds its own rows (``PCPPlan`` segments) and, after t
 replicated cache already makes, every new K/V of the step. The new tokens are attended from that
 gather (causal, end-aligned per segment); the context cached before the step lives in shards, so the
 ranks' queries are all-gathered, each rank attends all of them over its shard, and the partial results
-are merged by log-sum-exp (``merge_partials``), each rank keeping its own rows. A fresh prompt has no
-context: its step skips the second part. The host builds the step's varlen layout once
+are merged by log-sum-exp (``merge_partials``), each rank keeping its own rows. A step where no request
+has context skips the second part; where one has, every rank's rows take part (rows without context get
+no keys: a step's traffic that packing the rows with context would cut). The host builds the step's varlen layout once
 (``SplitShardRows.of``), the same on every rank.
 """
 
@@ -74,7 +75,7 @@ class SplitShardRows:
             t_pad=t, rows=int(offs[-1]), has_context=bool((cached > 0).any()),
             ctx_cu_q=i32(ctx_q), ctx_lens=i32(ctx_k),
             ctx_seq_req=torch.as_tensor(ctx_req, dtype=torch.long, device=device),
-            max_ctx_q=int(q_lens.max()), max_ctx_k=max(ctx_k),
+            max_ctx_q=int(q_lens.max()), max_ctx_k=max(1, max(ctx_k)),
             own_cu_q=i32(offs), own_keys=torch.as_tensor(np.concatenate(keys) if keys else np.zeros(0, np.int64),
                                                          dtype=torch.long, device=device),
             own_cu_k=i32(own_cu_k), max_own_q=int(np.diff(offs).max(initial=0)),
@@ -82,35 +83,37 @@ class SplitShardRows:
 
 
 def attend_split_sharded(query, k_all, v_all, key_cache, value_cache, block_table, rows: SplitShardRows,
-                         scale: float, group, output: torch.Tensor, varlen=None,
-                         fa_version: int | None = None) -> torch.Tensor:
+                         scale: float, group, output: torch.Tensor, varlen=None, **fa_kwargs) -> torch.Tensor:
     """query [t_pad, H, D] this rank's rows; k_all / v_all [N * t_pad, KVH, D] the step's gathered new K/V;
     ``block_table`` the attention group's rows of the step's requests -> ``output`` [t_pad, H, D] (padding
-    rows zero)."""
+    rows zero). ``fa_kwargs`` go to both FlashAttention calls (on a GPU: ``fa_version``, ``num_splits=1``
+    as ``attend_local_flash`` has it, the descales)."""
     from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
     if varlen is None:
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func as varlen
-    fa = {} if fa_version is None else {"fa_version": fa_version}
     n = rows.rows
     output.zero_()
-    if n == 0 and not rows.has_context:
-        return output
-    q = query[:n].contiguous()
-    own_out, own_lse = varlen(
-        q=q, k=k_all.index_select(0, rows.own_keys), v=v_all.index_select(0, rows.own_keys),
-        cu_seqlens_q=rows.own_cu_q, max_seqlen_q=rows.max_own_q, cu_seqlens_k=rows.own_cu_k,
-        max_seqlen_k=rows.max_own_k, softmax_scale=scale, causal=True, return_softmax_lse=True, **fa)
+    own_out = own_lse = None
+    if n:
+        own_out, own_lse = varlen(
+            q=query[:n].contiguous(), k=k_all.index_select(0, rows.own_keys),
+            v=v_all.index_select(0, rows.own_keys), cu_seqlens_q=rows.own_cu_q, max_seqlen_q=rows.max_own_q,
+            cu_seqlens_k=rows.own_cu_k, max_seqlen_k=rows.max_own_k, softmax_scale=scale, causal=True,
+            return_softmax_lse=True, **fa_kwargs)
     if not rows.has_context:
-        output[:n] = own_out
+        if n:
+            output[:n] = own_out
         return output
+    # every rank joins the context part's collectives, rows or not
     q_all = group.all_gather(query.contiguous(), dim=0)
     ctx_out, ctx_lse = varlen(
         q=q_all, k=key_cache, v=value_cache, cu_seqlens_q=rows.ctx_cu_q, max_seqlen_q=rows.max_ctx_q,
         seqused_k=rows.ctx_lens, max_seqlen_k=rows.max_ctx_k, softmax_scale=scale, causal=False,
-        block_table=block_table.index_select(0, rows.ctx_seq_req), return_softmax_lse=True, **fa)
+        block_table=block_table.index_select(0, rows.ctx_seq_req), return_softmax_lse=True, **fa_kwargs)
     ctx_out, ctx_lse = merge_partials(ctx_out, ctx_lse.transpose(0, 1), group)
-    mine = slice(group.rank_in_group * rows.t_pad, group.rank_in_group * rows.t_pad + n)
-    merge_attn_states(output[:n], ctx_out[mine].contiguous(), ctx_lse[mine].transpose(0, 1).contiguous(),
-                      own_out, own_lse)
+    if n:
+        mine = slice(group.rank_in_group * rows.t_pad, group.rank_in_group * rows.t_pad + n)
+        merge_attn_states(output[:n], ctx_out[mine].contiguous(), ctx_lse[mine].transpose(0, 1).contiguous(),
+                          own_out, own_lse)
     return output
