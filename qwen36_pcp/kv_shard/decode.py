@@ -32,24 +32,24 @@ class ShardedRows:
 
 
 def attend_sharded(query, key, value, key_cache, value_cache, rows: ShardedRows, scale: float, group,
-                   output: torch.Tensor, varlen=None, fa_version: int | None = None) -> torch.Tensor:
+                   output: torch.Tensor, varlen=None, **fa_kwargs) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] (the rows' new K/V) -> ``output`` [T, H, D], the rows'
     attention over every rank's context and their own new tokens. ``varlen``: FlashAttention's
-    ``flash_attn_varlen_func`` (vLLM's, the default) or a function of the same contract."""
+    ``flash_attn_varlen_func`` (vLLM's, the default) or a function of the same contract; ``fa_kwargs`` go to
+    both of its calls (on a GPU: ``fa_version``, the descales)."""
     from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
     if varlen is None:
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func as varlen
     query = query.contiguous()
-    fa = {} if fa_version is None else {"fa_version": fa_version}
     context_out, context_lse = varlen(
         q=query, k=key_cache, v=value_cache, cu_seqlens_q=rows.cu_q, max_seqlen_q=rows.max_q,
-        seqused_k=rows.context_lens, max_seqlen_k=rows.max_context, softmax_scale=scale, causal=False,
-        block_table=rows.block_table, return_softmax_lse=True, **fa)
+        seqused_k=rows.context_lens, max_seqlen_k=max(1, rows.max_context), softmax_scale=scale, causal=False,
+        block_table=rows.block_table, return_softmax_lse=True, **fa_kwargs)
     # FlashAttention's log-sum-exp is [H, T]; the merge over the group takes [T, H]
     context_out, context_lse = merge_partials(context_out, context_lse.transpose(0, 1), group)
     own_out, own_lse = varlen(
         q=query, k=key, v=value, cu_seqlens_q=rows.cu_q, max_seqlen_q=rows.max_q, cu_seqlens_k=rows.cu_q,
-        max_seqlen_k=rows.max_q, softmax_scale=scale, causal=True, return_softmax_lse=True, **fa)
+        max_seqlen_k=rows.max_q, softmax_scale=scale, causal=True, return_softmax_lse=True, **fa_kwargs)
     merge_attn_states(output, context_out, context_lse.transpose(0, 1).contiguous(), own_out, own_lse)
     return output
