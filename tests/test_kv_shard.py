@@ -18,6 +18,8 @@ import torch
 
 from qwen36_pcp.kv_shard.layout import KVShard
 
+from .attention_reference import varlen_reference
+
 H, KVH, D, BS = 4, 2, 8, 16
 SEQ_LENS = [1, 5, 37, 130, 257]  # a request shorter than the group, partial blocks, several blocks
 
@@ -60,44 +62,6 @@ def _case(seed: int):
     kv = [(torch.randn(t, KVH, D, generator=g), torch.randn(t, KVH, D, generator=g)) for t in SEQ_LENS]
     q = torch.randn(sum(QUERY_LENS), H, D, generator=g)  # the rows: each request's last QUERY_LENS positions
     return kv, q
-
-
-def varlen_reference(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, return_softmax_lse,
-                     seqused_k=None, max_seqlen_k=None, cu_seqlens_k=None, block_table=None, empty_lse=float("-inf")):
-    """FlashAttention's ``flash_attn_varlen_func`` contract in fp32 torch: paged keys (``block_table``,
-    ``seqused_k``) or packed ones (``cu_seqlens_k``), causal end-aligned -> (out [T, H, D], lse [H, T]); a row
-    without keys gets 0 and ``empty_lse`` (FlashAttention 3: -inf, 2: +inf)."""
-    assert return_softmax_lse
-    # what FlashAttention needs of its arguments, which this stand-in would otherwise not notice
-    cus = [cu_seqlens_q] + ([cu_seqlens_k] if cu_seqlens_k is not None else [seqused_k])
-    assert all(x.dtype == torch.int32 for x in cus), [x.dtype for x in cus]
-    assert int(cu_seqlens_q[-1]) == q.shape[0] and int(torch.diff(cu_seqlens_q).max()) <= max_seqlen_q
-    k_lens = torch.diff(cu_seqlens_k) if cu_seqlens_k is not None else seqused_k
-    assert cu_seqlens_k is None or int(cu_seqlens_k[-1]) == k.shape[0]
-    assert int(k_lens.max()) <= max_seqlen_k and max_seqlen_k >= 1
-    out = torch.zeros(q.shape)
-    lse = torch.full(q.shape[:2], empty_lse)
-    cu = cu_seqlens_q.tolist()
-    for i in range(len(cu) - 1):
-        if block_table is not None:
-            n = int(seqused_k[i])
-            idx = torch.arange(n)
-            slots = block_table[i, idx // k.shape[1]].long() * k.shape[1] + idx % k.shape[1]
-            ks, vs = k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
-        else:
-            a, b = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-            ks, vs = k[a:b], v[a:b]
-        qs = q[cu[i]:cu[i + 1]].float()
-        if ks.shape[0] == 0 or qs.shape[0] == 0:
-            continue
-        rep = qs.shape[1] // ks.shape[1]
-        s = torch.einsum("qhd,khd->hqk", qs, ks.float().repeat_interleave(rep, 1)) * softmax_scale
-        if causal:  # query j of n_q sees keys up to n_k - n_q + j
-            n_q, n_k = qs.shape[0], ks.shape[0]
-            s = s.masked_fill(torch.arange(n_k)[None, :] > (n_k - n_q + torch.arange(n_q))[:, None], float("-inf"))
-        lse[cu[i]:cu[i + 1]] = torch.logsumexp(s, -1).transpose(0, 1)
-        out[cu[i]:cu[i + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vs.float().repeat_interleave(rep, 1))
-    return out, lse.transpose(0, 1).contiguous()
 
 
 def _decode_worker(rank, group, interleave, empty_lse):

@@ -7,8 +7,8 @@ gather (causal, end-aligned per segment); the context cached before the step liv
 ranks' queries are all-gathered, each rank attends all of them over its shard, and the partial results
 are merged by log-sum-exp (``merge_partials``), each rank keeping its own rows. A step where no request
 has context skips the second part; where one has, every rank's rows take part (rows without context get
-no keys: a step's traffic that packing the rows with context would cut). The host builds the step's varlen layout once
-(``SplitShardRows.of``), the same on every rank.
+no keys: traffic that packing the rows with context would cut). The host builds the step's varlen
+layout once (``SplitShardRows.of``), the same on every rank.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class SplitShardRows:
 
     Context part, over every rank's ``t_pad`` rows gathered (rank-major): ``ctx_cu_q`` a sequence per
     (rank, segment) and one per rank for its padding, ``ctx_lens`` the keys of it this rank keeps
-    (``KVShard.local_lens`` of the request's cached tokens), ``ctx_block_table`` the request's
-    block-table row. Own part, over this rank's rows: ``own_cu_q`` a sequence per segment, ``own_keys``
+    (``KVShard.local_lens`` of the request's cached tokens), ``ctx_seq_req`` the request whose block-table
+    row it reads. Own part, over this rank's rows: ``own_cu_q`` a sequence per segment, ``own_keys``
     the gathered rows holding its request's new tokens [0, segment end) in order, ``own_cu_k`` their
     starts."""
 
@@ -55,8 +55,8 @@ class SplitShardRows:
         ctx_q, ctx_k, ctx_req = [0], [], []
         for r, segs in enumerate(plan.segments):
             offs = plan.seg_offsets[r]
-            for s, a, b in zip(segs, offs[:-1], offs[1:]):
-                ctx_q.append(r * t + int(b))
+            for s, end in zip(segs, offs[1:]):
+                ctx_q.append(r * t + int(end))
                 ctx_k.append(int(local[s.req]))
                 ctx_req.append(s.req)
             ctx_q.append((r + 1) * t)  # the rank's padding rows: no keys

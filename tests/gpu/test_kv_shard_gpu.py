@@ -16,6 +16,7 @@ import torch
 
 from harness.dist import run_distributed
 
+from ..attention_reference import varlen_reference
 from .replay import replay
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
@@ -26,20 +27,7 @@ QUERY_LENS = [1, 4, 1, 4, 1, 1]
 REPORT = {}
 
 
-def _fp32_reference(q, k, v, cu_q, cu_k, scale):
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for i in range(len(cu_q) - 1):
-        qs, ks, vs = q[cu_q[i]:cu_q[i + 1]].float(), k[cu_k[i]:cu_k[i + 1]].float(), v[cu_k[i]:cu_k[i + 1]].float()
-        rep = H // KVH
-        s = torch.einsum("qhd,khd->hqk", qs, ks.repeat_interleave(rep, 1)) * scale
-        n_q, n_k = qs.shape[0], ks.shape[0]
-        mask = torch.arange(n_k, device=q.device)[None, :] > (n_k - n_q + torch.arange(n_q, device=q.device))[:, None]
-        s = s.masked_fill(mask, float("-inf"))
-        out[cu_q[i]:cu_q[i + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vs.repeat_interleave(rep, 1))
-    return out
-
-
-def _case(block_size):
+def _case():
     g = torch.Generator(device="cuda").manual_seed(3)
     total = sum(SEQ_LENS)
     k = torch.randn(total, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -77,7 +65,7 @@ def _rank(rank, group, block_size, interleave):
     from qwen36_pcp.kv_shard.layout import KVShard
 
     n = 1 if group is None else group.world_size
-    q, k, v = _case(block_size)
+    q, k, v = _case()
     tables, num_blocks = _tables(n, 0 if group is None else rank, block_size, interleave)
     positions = torch.cat([torch.arange(t, device="cuda") for t in SEQ_LENS])
     cu = torch.tensor(np.concatenate([[0], np.cumsum(SEQ_LENS)]), dtype=torch.int32, device="cuda")
@@ -118,10 +106,12 @@ def test_sharded_decode_as_close_as_vllms_decode(world_size, interleave, how):
             pytest.skip(f"needs {world_size} GPUs for NCCL")
         outs = run_distributed(_rank, world_size, block_size, interleave, backend="nccl")
     whole = _rank(0, None, block_size, interleave)
-    q, k, v = _case(block_size)
+    q, k, v = _case()
     cu_q = np.concatenate([[0], np.cumsum(QUERY_LENS)]).tolist()
-    cu_k = np.concatenate([[0], np.cumsum(SEQ_LENS)]).tolist()
-    ref = _fp32_reference(q, k, v, cu_q, cu_k, D**-0.5)
+    ref, _ = varlen_reference(q, k, v, torch.tensor(cu_q, dtype=torch.int32, device="cuda"), max(QUERY_LENS),
+                              D**-0.5, True, True, max_seqlen_k=max(SEQ_LENS),
+                              cu_seqlens_k=torch.tensor(np.concatenate([[0], np.cumsum(SEQ_LENS)]),
+                                                        dtype=torch.int32, device="cuda"))
     assert all(torch.equal(o.cpu(), outs[0].cpu()) for o in outs), "ranks disagree"
     report = []
     for i in range(len(QUERY_LENS)):
